@@ -1,0 +1,136 @@
+"""Shared fixtures: a real Redis database and a real PostgreSQL database per test session.
+
+Several test sessions may run at once on one machine (developers side by side, CI), so each
+session claims its own Redis database number (SET NX on db 0) and creates its own
+PostgreSQL database, and removes both at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REDIS_HOST = os.environ.get("TRAINQ_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("TRAINQ_TEST_REDIS_PORT", "6379"))
+PG_ADMIN_URL = os.environ.get(
+    "TRAINQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """Environment for child processes (torchrun, celery, the API): our packages importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    # Each rank on a 2-core machine gets one thread, so two ranks do not fight over cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+class RedisDBs:
+    """Hands out whole Redis database numbers (1..15) claimed for this test session."""
+
+    def __init__(self) -> None:
+        import redis
+
+        self._admin = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=0)
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.claimed: list[int] = []
+
+    def claim(self) -> int:
+        for n in range(1, 16):
+            if self._admin.set(f"trainq-test:db:{n}", self._token, nx=True, ex=4 * 3600):
+                self.claimed.append(n)
+                import redis
+
+                redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
+                return n
+        raise RuntimeError("no free Redis database number (1..15) for this test session")
+
+    def url(self, n: int) -> str:
+        return f"redis://{REDIS_HOST}:{REDIS_PORT}/{n}"
+
+    def release(self) -> None:
+        import redis
+
+        for n in self.claimed:
+            redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
+            key = f"trainq-test:db:{n}"
+            if self._admin.get(key) == self._token.encode():
+                self._admin.delete(key)
+
+
+@pytest.fixture(scope="session")
+def redis_dbs() -> Iterator[RedisDBs]:
+    dbs = RedisDBs()
+    try:
+        dbs._admin.ping()
+    except Exception as exc:
+        pytest.fail(f"Redis is not reachable at {REDIS_HOST}:{REDIS_PORT}: {exc}")
+    yield dbs
+    dbs.release()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_dbs: RedisDBs) -> str:
+    """A Redis database of this session's own (events, heartbeats, workers)."""
+    return redis_dbs.url(redis_dbs.claim())
+
+
+@pytest.fixture()
+def redis_client(redis_url: str) -> Iterator[object]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this session, dropped at the end."""
+    import sqlalchemy as sa
+
+    name = f"trainq_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL}: {exc}")
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    yield url
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()

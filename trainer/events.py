@@ -1,0 +1,304 @@
+"""Event records on the second wire (Redis Streams), and the publisher that sends them.
+
+Torch-free and importable without redis: the trainer (rank 0 metrics), the worker (lifecycle,
+logs) and the service (ingestion, SSE) all speak these records.
+
+Layout (``prefix`` defaults to ``trainq``):
+
+- ``{prefix}:events``            every job's events; the service ingests it through a consumer group
+- ``{prefix}:job:{id}``          per-job copy for SSE followers (entry id = SSE id)
+- ``{prefix}:hb:{id}:{attempt}`` heartbeat key with a TTL
+- ``{prefix}:claim:{id}:{attempt}`` the attempt's claim (SET NX), so a redelivery does nothing
+- ``{prefix}:cancel:{id}``       cancel flag (the key is the truth; pub/sub only wakes)
+- ``{prefix}:workers``           hash of live workers
+
+An event is idempotent per ``(job, attempt, source, seq)``: each producer numbers its own
+events per attempt, so a replay of the stream changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Literal
+
+__all__ = [
+    "EVENT_VERSION",
+    "Event",
+    "EventKind",
+    "ExitCode",
+    "Keys",
+    "Publisher",
+    "Reason",
+]
+
+log = logging.getLogger(__name__)
+
+EVENT_VERSION = "1"
+
+EventKind = Literal["lifecycle", "metric", "log", "status"]
+"""lifecycle: an attempt's phase (worker); metric: one step's numbers (trainer rank 0);
+log: a batch of rank output lines (worker); status: a job status change (service, for SSE)."""
+
+Reason = Literal[
+    "spec_error",
+    "exit_code",
+    "oom",
+    "nan_loss",
+    "timeout",
+    "lost",
+    "preempted",
+    "cancelled",
+    "no_worker",
+]
+REASONS: tuple[str, ...] = Reason.__args__  # type: ignore[attr-defined]
+
+
+class ExitCode(IntEnum):
+    """Exit codes of `python -m trainer` that carry a meaning beyond "it failed".
+
+    torchrun folds a failed rank into its own exit status, so the trainer also writes
+    ``exit.json`` into the run directory with the same reason; the worker reads that first.
+    """
+
+    OK = 0
+    SPEC_ERROR = 64  # EX_USAGE: the config or the data cannot be used
+    DATA_ERROR = 66  # EX_NOINPUT: data folder missing, shard corrupt
+    NAN_LOSS = 75
+    OOM = 76
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "trainq"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def heartbeat(self, job_id: str, attempt: int) -> str:
+        return f"{self.prefix}:hb:{job_id}:{attempt}"
+
+    def claim(self, job_id: str, attempt: int) -> str:
+        return f"{self.prefix}:claim:{job_id}:{attempt}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.prefix}:cancel:{job_id}"
+
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    job_id: str
+    attempt: int
+    source: str  # "worker", "trainer" or "service"
+    seq: int
+    data: dict[str, Any]
+    ts: float = field(default_factory=time.time)
+
+    def to_fields(self) -> dict[str, str]:
+        """Flat string fields for XADD."""
+        return {
+            "v": EVENT_VERSION,
+            "kind": self.kind,
+            "job": self.job_id,
+            "attempt": str(self.attempt),
+            "src": self.source,
+            "seq": str(self.seq),
+            "ts": repr(self.ts),
+            "data": json.dumps(self.data, separators=(",", ":"), allow_nan=False),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> Event:
+        """Parse XREAD fields (bytes or str); ValueError on anything malformed."""
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        try:
+            kind = f["kind"]
+            if kind not in ("lifecycle", "metric", "log", "status"):
+                raise ValueError(f"unknown event kind {kind!r}")
+            data = json.loads(f["data"])
+            if not isinstance(data, dict):
+                raise ValueError("event data must be an object")
+            return cls(
+                kind=kind,  # type: ignore[arg-type]
+                job_id=f["job"],
+                attempt=int(f["attempt"]),
+                source=f["src"],
+                seq=int(f["seq"]),
+                data=data,
+                ts=float(f["ts"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"event is missing field {exc.args[0]!r}") from exc
+
+    @property
+    def key(self) -> tuple[str, int, str, int]:
+        return (self.job_id, self.attempt, self.source, self.seq)
+
+
+def clean_number(value: float | None) -> float | None:
+    """NaN and inf are not JSON; a metric that is not finite travels as null."""
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return None
+    return float(value)
+
+
+class Publisher:
+    """Sends events to Redis from a background thread; never blocks or fails the caller.
+
+    Events are appended to ``{prefix}:events`` and to the job's own stream in one MULTI, in
+    the order they were emitted. While Redis is unreachable they are kept (up to
+    ``max_buffer``; past that the oldest metric events are dropped first, with a warning)
+    and sent in order when it returns. ``close()`` flushes what it can within a timeout.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        job_id: str,
+        attempt: int,
+        source: str,
+        *,
+        prefix: str = "trainq",
+        job_stream_maxlen: int = 10_000,
+        events_maxlen: int = 1_000_000,
+        max_buffer: int = 200_000,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.keys = Keys(prefix)
+        self.job_id = job_id
+        self.attempt = attempt
+        self.source = source
+        self._url = url
+        self._job_maxlen = job_stream_maxlen
+        self._events_maxlen = events_maxlen
+        self._max_buffer = max_buffer
+        self._retry_s = retry_s
+        self._queue: deque[Event] = deque()
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._closing = False
+        self._client: Any = None
+        self.sent = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"publish-{source}", daemon=True)
+        self._thread.start()
+
+    def emit(self, kind: EventKind, data: dict[str, Any]) -> Event:
+        with self._cond:
+            self._seq += 1
+            event = Event(kind, self.job_id, self.attempt, self.source, self._seq, data)
+            self._queue.append(event)
+            if len(self._queue) > self._max_buffer:
+                self._drop_one()
+            self._cond.notify()
+        return event
+
+    def _drop_one(self) -> None:
+        for i, ev in enumerate(self._queue):
+            if ev.kind == "metric":
+                del self._queue[i]
+                break
+        else:
+            self._queue.popleft()
+        self.dropped += 1
+        if self.dropped in (1, 100, 10_000):
+            log.warning("event buffer full while Redis is unreachable; dropped %d", self.dropped)
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            import redis
+
+            self._client = redis.Redis.from_url(
+                self._url, socket_timeout=5, socket_connect_timeout=2
+            )
+        return self._client
+
+    def _send(self, batch: list[Event]) -> None:
+        client = self._connect()
+        pipe = client.pipeline(transaction=True)
+        for ev in batch:
+            fields = ev.to_fields()
+            pipe.xadd(self.keys.events, fields, maxlen=self._events_maxlen, approximate=True)
+            pipe.xadd(self.keys.job(ev.job_id), fields, maxlen=self._job_maxlen, approximate=True)
+        pipe.execute()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue and self._closing:
+                    return
+                batch = [self._queue[i] for i in range(min(len(self._queue), 256))]
+            try:
+                self._send(batch)
+            except Exception as exc:  # redis.ConnectionError, TimeoutError, ...: keep and retry
+                log.debug("publish failed (%s); retrying", exc)
+                self._client = None
+                with self._cond:
+                    if self._closing and self._give_up_at is not None:
+                        if time.monotonic() >= self._give_up_at:
+                            return
+                    self._cond.wait(self._retry_s)
+                continue
+            with self._cond:
+                # Only the sender pops, so the first len(batch) entries are still this batch,
+                # unless _drop_one removed some while we sent: drop by identity.
+                sent_ids = {id(ev) for ev in batch}
+                while self._queue and id(self._queue[0]) in sent_ids:
+                    self._queue.popleft()
+                self.sent += len(batch)
+                self._cond.notify_all()
+
+    _give_up_at: float | None = None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything emitted so far is sent; False if the timeout passed first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Flush within the timeout, then stop the thread. True if nothing was left unsent."""
+        with self._cond:
+            self._closing = True
+            self._give_up_at = time.monotonic() + timeout
+            self._cond.notify_all()
+        self._thread.join(timeout + 1)
+        ok = not self._queue
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+        return ok
