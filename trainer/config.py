@@ -1,4 +1,4 @@
-"""The training spec: one pydantic definition that the service validates with and the trainer runs from.
+"""The training spec: one pydantic definition the service validates with and the trainer runs from.
 
 This module imports neither torch nor redis, so the API process can validate specs without
 loading either. Every model forbids unknown fields and bounds every number, so a typo or an

@@ -261,9 +261,9 @@ class Publisher:
                 log.debug("publish failed (%s); retrying", exc)
                 self._client = None
                 with self._cond:
-                    if self._closing and self._give_up_at is not None:
-                        if time.monotonic() >= self._give_up_at:
-                            return
+                    give_up = self._give_up_at
+                    if self._closing and give_up is not None and time.monotonic() >= give_up:
+                        return
                     self._cond.wait(self._retry_s)
                 continue
             with self._cond:
