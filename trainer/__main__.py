@@ -1,0 +1,80 @@
+"""``python -m trainer`` (one process) or ``torchrun ... -m trainer`` (one per rank).
+
+    torchrun --standalone --nproc-per-node 2 -m trainer --config run.yaml --run-dir DIR \\
+        [--data-root ROOT]
+
+The config is validated before torch is imported, let alone a process group started. A
+known failure prints one line (no traceback), writes RUN_DIR/exit.json and exits with its
+`trainer.events.ExitCode`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainer.config import ConfigError, load_config, resolve_data_path
+from trainer.env import EXIT_FILE, TrainerEnv, exit_with_launcher, read_env, write_exit_file
+from trainer.events import ExitCode
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="TrainConfig as YAML or JSON")
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        type=Path,
+        help="checkpoints/, metrics.jsonl and exit.json go here; resumes if it holds a checkpoint",
+    )
+    p.add_argument(
+        "--data-root",
+        default=None,
+        help="folder that a relative data.path is resolved against (default: cwd)",
+    )
+    return p
+
+
+def _known_failure(env: TrainerEnv, run_dir: Path, code: ExitCode, message: str) -> int:
+    # Every rank hits a config or data error alike; rank 0 speaks for all of them.
+    if env.is_main:
+        print(f"trainer: error: {message}", file=sys.stderr, flush=True)
+        write_exit_file(run_dir, "spec_error", message, rank=env.rank, step=None, exit_code=code)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run_dir: Path = args.run_dir
+    try:
+        env = read_env()
+    except ValueError as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+        return ExitCode.SPEC_ERROR
+    if env.distributed:
+        exit_with_launcher()
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # A previous attempt's verdict must not be read as this one's.
+        (run_dir / EXIT_FILE).unlink(missing_ok=True)
+    try:
+        cfg = load_config(args.config)
+        data_dir = resolve_data_path(cfg.data.path, args.data_root, allow_absolute=True)
+    except ConfigError as exc:
+        return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc))
+
+    from trainer.checkpoint import CheckpointError  # torch from here on
+    from trainer.data import DataError
+    from trainer.train import train
+
+    try:
+        return train(cfg, run_dir, data_dir, env)
+    except (ConfigError, CheckpointError) as exc:
+        return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc))
+    except DataError as exc:
+        return _known_failure(env, run_dir, ExitCode.DATA_ERROR, str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

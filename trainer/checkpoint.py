@@ -1,0 +1,180 @@
+"""Checkpoints: model, optimizer, scaler, progress and every rank's RNG, written atomically.
+
+Layout under ``RUN_DIR/checkpoints/``::
+
+    step-N/meta.json        step, tokens seen, next data step, strategy, world size (rank 0)
+    step-N/model.pt         DDP / one process: full model + optimizer state (rank 0)
+    step-N/dcp/             FSDP: sharded model + optimizer (torch.distributed.checkpoint)
+    step-N/scaler.pt        GradScaler state when fp16 (rank 0)
+    step-N/rng-rank{r}.pt   each rank's python, numpy, torch (and CUDA) RNG
+    step-N/DONE             written last: only a checkpoint with DONE is ever loaded
+
+Every rank writes into ``tmp-step-N``; after a barrier rank 0 renames it to ``step-N``, writes
+DONE and prunes to the newest ``keep``. A crash at any point leaves the previous good one.
+The batches are a pure function of the step (`trainer.data.BatchSampler`), so the data
+position is just the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.parallelize import barrier, unwrap
+
+__all__ = [
+    "CheckpointError",
+    "Progress",
+    "checkpoint_dirs",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+DONE = "DONE"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from here (other strategy, other model)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int  # optimizer steps completed; also the next step of the data sampler
+    tokens_seen: int
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (with DONE), oldest first."""
+    root = run_dir / "checkpoints"
+    found = []
+    for p in root.glob("step-*") if root.is_dir() else ():
+        suffix = p.name.removeprefix("step-")
+        if suffix.isdigit() and (p / DONE).is_file():
+            found.append((int(suffix), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoint_dirs(run_dir)
+    return found[-1][1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    # Plain containers and tensors only, so torch.load(weights_only=True) can read it back.
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: Path,
+    progress: Progress,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    *,
+    strategy: str,
+    rank: int,
+    world_size: int,
+    keep: int,
+) -> Path:
+    """Save collectively (every rank calls this at the same step); returns the final path."""
+    root = run_dir / "checkpoints"
+    tmp = root / f"tmp-step-{progress.step}"
+    final = root / f"step-{progress.step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save left it half written
+        tmp.mkdir(parents=True)
+    barrier()
+    if strategy == "fsdp":
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "dcp")
+    elif rank == 0:
+        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save(state, tmp / "model.pt")
+    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+    if rank == 0:
+        if scaler is not None and scaler.is_enabled():
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        meta = {
+            **asdict(progress),
+            "strategy": strategy,
+            "world_size": world_size,
+            "time": time.time(),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    barrier()  # every rank's files are in tmp before it becomes a checkpoint
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
+        tmp.rename(final)
+        (final / DONE).write_text(f"{progress.step}\n")
+        for _, old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    *,
+    strategy: str,
+    rank: int,
+    device: torch.device,
+) -> Progress:
+    """Restore into an already parallelized model and its optimizer (every rank calls this)."""
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["strategy"] != strategy:
+        raise CheckpointError(
+            f"checkpoint {path} was written with strategy {meta['strategy']!r}; "
+            f"this run uses {strategy!r} (start a new run dir to switch)"
+        )
+    try:
+        if strategy == "fsdp":
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            # dcp.load fills these dicts in place, each rank reading only its own shards.
+            dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / "dcp")
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        else:
+            state = torch.load(path / "model.pt", map_location=device, weights_only=True)
+            unwrap(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        # A shape or key mismatch: the run dir holds a checkpoint of a different model.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {first}") from exc
+    if scaler is not None and (path / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.is_file():  # absent when the world grew; the data order does not depend on it
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return Progress(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]))

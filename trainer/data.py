@@ -1,0 +1,280 @@
+"""Token data: llm.c-format uint16 shards, memory-mapped, and the deterministic batch sampler.
+
+A shard is a 256-int32 header (magic 20240520, version 1, token count) followed by the tokens
+as little-endian uint16, the layout of llm.c's ``dev/data`` scripts, so shards made by either
+tool work in both.
+
+A split ("train" or "val") is every ``{split}*.bin`` shard in a folder, cut into
+non-overlapping windows of ``seq_len + 1`` tokens that never cross a shard boundary.
+
+The sampler makes every batch a pure function of ``(seed, step, micro, rank, world)``, so a
+resumed run sees exactly the batches it would have seen, with no sampler state to save. Sample
+slots are numbered globally and dealt to ranks round-robin (rank-strided, like
+``DistributedSampler``); each pass over the data (epoch) uses its own permutation, seeded by
+``(seed, epoch)``, which is what ``DistributedSampler.set_epoch`` gives.
+
+Only :meth:`BatchSampler.batch` needs torch, and imports it itself, so the shard tools
+(``trainer.prepare``, the service's ``trainq data prepare``) run without loading torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "HEADER_INTS",
+    "MAGIC",
+    "VERSION",
+    "BatchSampler",
+    "DataError",
+    "TokenDataset",
+    "find_shards",
+    "open_shard",
+    "write_shard",
+]
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+SPLITS = ("train", "val")
+_TOKEN_DTYPE = np.dtype("<u2")
+_HEADER_DTYPE = np.dtype("<i4")
+
+
+class DataError(Exception):
+    """Token data that cannot be used; the message names the file or folder and what is wrong."""
+
+
+def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
+    """Write ``tokens`` as one llm.c-format shard, atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise DataError(f"{path}: tokens must be a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        raise DataError(f"{path}: refusing to write a shard with no tokens")
+    if arr.dtype != _TOKEN_DTYPE:
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"{path}: tokens must be integers, got dtype {arr.dtype}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > 0xFFFF:
+            raise DataError(f"{path}: token ids must fit uint16 (0..65535), got {lo}..{hi}")
+        arr = arr.astype(_TOKEN_DTYPE)
+    if arr.size > np.iinfo(np.int32).max:
+        raise DataError(f"{path}: {arr.size} tokens do not fit one shard's int32 count")
+    header = np.zeros(HEADER_INTS, dtype=_HEADER_DTYPE)
+    header[0], header[1], header[2] = MAGIC, VERSION, arr.size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The temp file lives next to the target so the rename stays on one filesystem (atomic).
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header.tobytes())
+            f.write(np.ascontiguousarray(arr).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_shard(path: str | os.PathLike[str]) -> np.memmap:
+    """Validate a shard's header and size, and memory-map its tokens (read-only uint16)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"shard {path} does not exist") from None
+    except OSError as exc:
+        raise DataError(f"shard {path}: cannot stat: {exc.strerror}") from exc
+    if size < HEADER_BYTES:
+        raise DataError(
+            f"shard {path} is {size} bytes, shorter than its {HEADER_BYTES}-byte header"
+        )
+    try:
+        header = np.fromfile(path, dtype=_HEADER_DTYPE, count=HEADER_INTS)
+    except OSError as exc:
+        raise DataError(f"shard {path}: cannot read header: {exc}") from exc
+    magic, version, count = (int(v) for v in header[:3])
+    if magic != MAGIC:
+        raise DataError(
+            f"shard {path} has magic number {magic}, expected {MAGIC} (not an llm.c token shard)"
+        )
+    if version != VERSION:
+        raise DataError(f"shard {path} has version {version}, expected {VERSION} (uint16 tokens)")
+    if count <= 0:
+        raise DataError(f"shard {path} header says {count} tokens; a shard needs at least one")
+    expected = HEADER_BYTES + count * _TOKEN_DTYPE.itemsize
+    if size < expected:
+        raise DataError(
+            f"shard {path} is truncated: header says {count} tokens ({expected} bytes), "
+            f"file has {size} bytes"
+        )
+    if size > expected:
+        raise DataError(
+            f"shard {path} has {size - expected} trailing bytes after its {count} tokens "
+            f"(header and size disagree)"
+        )
+    return np.memmap(path, dtype=_TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def find_shards(folder: str | os.PathLike[str], split: str) -> list[Path]:
+    """The sorted ``{split}*.bin`` shards in ``folder``; DataError when there are none."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    folder = Path(folder)
+    if not folder.exists():
+        raise DataError(f"data folder {folder} does not exist")
+    if not folder.is_dir():
+        raise DataError(f"data folder {folder} is not a directory")
+    shards = sorted(p for p in folder.glob(f"{split}*.bin") if p.is_file())
+    if not shards:
+        raise DataError(f"data folder {folder} has no {split} shards ({split}*.bin)")
+    return shards
+
+
+class TokenDataset:
+    """Every shard of one split, memory-mapped, as ``num_samples`` windows of seq_len+1 tokens.
+
+    Window ``i`` is ``x = w[:-1]``, ``y = w[1:]``. Windows do not overlap and never cross a
+    shard boundary; a shard's tail shorter than a window is not used.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], split: str, seq_len: int) -> None:
+        if seq_len < 1:
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        self.folder = Path(folder)
+        self.split = split
+        self.seq_len = seq_len
+        self.window = seq_len + 1
+        self.paths = find_shards(self.folder, split)
+        self.shards: list[np.memmap] = [open_shard(p) for p in self.paths]
+        self.num_tokens = sum(int(s.shape[0]) for s in self.shards)
+        counts = np.array([s.shape[0] // self.window for s in self.shards], dtype=np.int64)
+        # _starts[k] is the global index of shard k's first window; _starts[-1] == num_samples.
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.num_samples = int(self._starts[-1])
+        if self.num_samples == 0:
+            raise DataError(
+                f"data folder {self.folder}: the {split} split has {self.num_tokens} tokens, "
+                f"fewer than one window of seq_len+1 = {self.window}"
+            )
+        self._offsets = np.arange(self.window, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, i: int) -> np.ndarray:
+        """Window ``i`` as a uint16 array of length seq_len+1."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range 0..{self.num_samples - 1}")
+        return self.gather(np.array([i], dtype=np.int64))[0]
+
+    def gather(self, indices: np.ndarray) -> np.ndarray:
+        """Windows ``indices`` as a ``[len(indices), seq_len+1]`` uint16 array (one copy)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out = np.empty((idx.size, self.window), dtype=_TOKEN_DTYPE)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        # Usually every sample of a batch is in one or two shards: one fancy-index read each.
+        for k in np.unique(shard_of):
+            rows = np.flatnonzero(shard_of == k)
+            starts = (idx[rows] - self._starts[k]) * self.window
+            out[rows] = self.shards[k][starts[:, None] + self._offsets]
+        return out
+
+
+class BatchSampler:
+    """Deterministic rank-strided batches: a pure function of (seed, step, micro, rank, world).
+
+    Slot ``s = ((step * grad_accum + micro) * B + b) * world + rank`` for ``b`` in ``range(B)``.
+    Slot ``s`` is in epoch ``s // num_samples`` at position ``s % num_samples``, and its sample
+    is ``perm(epoch)[position]`` where ``perm(epoch)`` is a permutation of the samples from
+    ``numpy.random.Generator(PCG64((seed, epoch)))``. So each epoch shows every sample exactly
+    once, ranks never share a sample within an epoch, and one process with micro batch
+    ``world * B`` sees the same set of samples per step as ``world`` ranks with ``B``.
+    """
+
+    _CACHED_EPOCHS = 2  # a batch spans at most two epochs; older permutations are dropped
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        rank: int,
+        world: int,
+        seed: int,
+        *,
+        pin_memory: bool = False,
+    ) -> None:
+        if micro_batch_size < 1 or grad_accum_steps < 1:
+            raise ValueError("micro_batch_size and grad_accum_steps must be >= 1")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of size {world}")
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.rank = rank
+        self.world = world
+        self.seed = seed
+        self.pin_memory = pin_memory
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._b = np.arange(micro_batch_size, dtype=np.int64)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one optimizer step consumes across all ranks."""
+        return self.micro_batch_size * self.grad_accum_steps * self.world
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch`` (cached for the last two epochs asked for)."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            perm = rng.permutation(self.dataset.num_samples)
+            self._perms[epoch] = perm
+            while len(self._perms) > self._CACHED_EPOCHS:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(epoch)
+        return perm
+
+    def indices(self, step: int, micro: int) -> np.ndarray:
+        """Dataset sample indices of this rank's micro batch ``micro`` at ``step``."""
+        if step < 0 or not 0 <= micro < self.grad_accum_steps:
+            raise ValueError(f"bad (step, micro) = ({step}, {micro})")
+        n = self.dataset.num_samples
+        slots = (step * self.grad_accum_steps + micro) * self.micro_batch_size + self._b
+        slots = slots * self.world + self.rank
+        epochs, positions = np.divmod(slots, n)
+        out = np.empty_like(slots)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self.permutation(int(epoch))[positions[mask]]
+        return out
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``: int64 ``[B, seq_len]`` CPU tensors (pinned when ``pin_memory``)."""
+        import torch  # here, so that shard tools (trainer.prepare, the service) never load torch
+
+        windows = torch.from_numpy(self.dataset.gather(self.indices(step, micro)).astype(np.int64))
+        x = windows[:, :-1]
+        y = windows[:, 1:]
+        if self.pin_memory:
+            return x.contiguous().pin_memory(), y.contiguous().pin_memory()
+        return x.contiguous(), y.contiguous()
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch that the first sample slot of ``step`` (any rank) falls in."""
+        return (step * self.samples_per_step) // self.dataset.num_samples

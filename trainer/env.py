@@ -1,0 +1,109 @@
+"""The trainer's contract with its launcher: the environment in, RUN_DIR/exit.json out.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the worker adds
+TRAINQ_REDIS_URL, TRAINQ_REDIS_PREFIX, TRAINQ_JOB_ID and TRAINQ_ATTEMPT. Nothing else in the
+trainer reads ``os.environ`` (torch.distributed reads MASTER_* itself at init). Torch-free,
+so a bad config is refused before torch is even imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EXIT_FILE", "TrainerEnv", "exit_with_launcher", "read_env", "write_exit_file"]
+
+EXIT_FILE = "exit.json"
+
+
+@dataclass(frozen=True)
+class TrainerEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    distributed: bool = False  # launched by torchrun (even with one rank)
+    redis_url: str | None = None
+    redis_prefix: str = "trainq"
+    job_id: str | None = None
+    attempt: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
+    """The torchrun and trainq variables; ValueError names a malformed one."""
+    env = os.environ if env is None else env
+    world = _int(env, "WORLD_SIZE", 1)
+    rank = _int(env, "RANK", 0)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is not in WORLD_SIZE={world}")
+    return TrainerEnv(
+        rank=rank,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        world_size=world,
+        distributed="RANK" in env and "WORLD_SIZE" in env,
+        redis_url=env.get("TRAINQ_REDIS_URL") or None,
+        redis_prefix=env.get("TRAINQ_REDIS_PREFIX") or "trainq",
+        job_id=env.get("TRAINQ_JOB_ID") or None,
+        attempt=_int(env, "TRAINQ_ATTEMPT", 1),
+    )
+
+
+def write_exit_file(
+    run_dir: Path, reason: str, message: str, *, rank: int, step: int | None, exit_code: int
+) -> bool:
+    """Write RUN_DIR/exit.json unless another rank already did (the first failing rank wins).
+
+    torchrun folds a rank's exit code into its own, so this file is how the worker learns
+    why a run ended. Returns False when the file was already there.
+    """
+    record = {
+        "reason": reason,
+        "message": message,
+        "rank": rank,
+        "step": step,
+        "exit_code": exit_code,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(run_dir / EXIT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return True
+
+
+def exit_with_launcher(poll_s: float = 0.1) -> None:
+    """Exit this rank soon after its launcher (torchrun) dies.
+
+    torchrun starts every rank in a session of its own, so a SIGKILL to torchrun's process
+    group (a worker's hard stop) does not reach the ranks: they would train on as orphans and
+    race the next attempt for the run dir. A daemon thread watches for the reparenting.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.write(2, f"trainer: launcher (pid {parent}) is gone; exiting\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -1,0 +1,128 @@
+"""The GPT decoder the trainer trains: pre-LN blocks, causal SDPA attention, GELU MLP, tied head.
+
+Sized from `trainer.config.ModelConfig`. This module knows nothing of processes or devices
+(no ``torch.distributed``): `trainer.parallelize` wraps it for DDP or FSDP2. It is nanoGPT's
+model with torchtitan's split between building a module and initializing its weights, so the
+caller decides when (and under which seed) weights are drawn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+__all__ = ["GPT", "Block"]
+
+INIT_STD = 0.02
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # [B, T, C] -> [B, heads, T, head_dim]
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-LN transformer block; the unit FSDP shards."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one matrix embeds and predicts
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every weight from the current torch RNG (the caller seeds it).
+
+        Normal(0, 0.02) for linears and embeddings; the residual projections get
+        0.02 / sqrt(2 * n_layer) so the residual stream's variance does not grow with depth
+        (GPT-2); LayerNorms start as identity, biases at zero.
+        """
+        residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if module is self.lm_head:
+                continue  # tied to wte, drawn once there
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(".proj") else INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``, or the mean cross-entropy (fp32) when targets are given."""
+        T = idx.shape[1]
+        assert self.cfg.seq_len >= T, f"sequence length {T} > model seq_len {self.cfg.seq_len}"
+        pos = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        # The loss in fp32 even under bf16/fp16: log-softmax over a big vocab loses precision.
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Distinct parameters (the tied head counted once); optionally without the embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the matmuls plus 12*L*H*Q*T for attention.
+
+        The PaLM appendix B estimate that nanoGPT's ``estimate_mfu`` uses (N without the
+        position embedding, which does no matmul).
+        """
+        c = self.cfg
+        n = self.num_params() - self.wpe.weight.numel()
+        return 6 * n + 12 * c.n_layer * c.n_head * (c.d_model // c.n_head) * c.seq_len

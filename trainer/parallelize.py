@@ -1,0 +1,128 @@
+"""Processes and parallelism: the process group, DDP, FSDP2 and compile, torchtitan's names.
+
+`init_distributed` turns the torchrun environment (read by `trainer.env.read_env`) into a
+device and a process group: gloo on CPU, nccl on CUDA with the rank's own device. The
+``apply_*`` functions wrap a built, initialized model; `maybe_no_sync` is how gradient
+accumulation skips the gradient reduction on all but the last micro-step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.env import TrainerEnv
+from trainer.model import GPT
+
+__all__ = [
+    "all_reduce_sum",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fsdp",
+    "barrier",
+    "clip_grad_norm",
+    "destroy_distributed",
+    "init_distributed",
+    "maybe_no_sync",
+    "unwrap",
+]
+
+
+def init_distributed(env: TrainerEnv) -> torch.device:
+    """The rank's device; joins the process group when launched by torchrun."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if env.distributed and not dist.is_initialized():
+        # device_id binds NCCL's communicator to this rank's GPU eagerly (no guessing later).
+        dist.init_process_group(
+            backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place (gloo has no AVG, so callers divide); no-op alone."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def apply_compile(model: GPT) -> None:
+    """Compile each block in place (before DDP/FSDP wrap them), as torchtitan does."""
+    for block in model.blocks:
+        block.compile()
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> DDP:
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def apply_fsdp(model: GPT, param_dtype: torch.dtype | None = None) -> GPT:
+    """FSDP2: shard each block, then the root (embeddings, final norm, tied head).
+
+    With ``param_dtype`` (bf16), parameters are gathered and computed in that dtype while
+    the sharded master weights, and the gradient reduction, stay fp32.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPT under a DDP wrapper (FSDP2 shards in place, so it is its own module)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+@contextlib.contextmanager
+def maybe_no_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter of this backward unless ``sync``."""
+    if isinstance(model, DDP) and not sync:
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        yield
+    else:
+        yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip to ``max_norm`` (0: do not clip) and return the global grad norm before clipping.
+
+    Under FSDP the grads are sharded DTensors; clip_grad_norm_ reduces their norms across
+    ranks and returns a replicated DTensor, hence ``full_tensor``.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), max_norm if max_norm > 0 else float("inf")
+    )
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm.item())

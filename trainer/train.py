@@ -1,0 +1,275 @@
+"""The training run: build, parallelize, optimizer, resume, then a loop that fits on one screen.
+
+Every rank runs `train`. One small all-reduce per step carries the loss and whether any rank
+was told to stop (SIGTERM), so every rank makes the same decision at the same step: a NaN
+on one rank stops all of them, and a preemption saves one checkpoint collectively.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import ConfigError, OptimConfig, TrainConfig
+from trainer.data import BatchSampler, TokenDataset
+from trainer.env import TrainerEnv, write_exit_file
+from trainer.events import ExitCode
+from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
+from trainer.model import GPT
+from trainer.parallelize import (
+    all_reduce_sum,
+    apply_compile,
+    apply_ddp,
+    apply_fsdp,
+    clip_grad_norm,
+    destroy_distributed,
+    init_distributed,
+    maybe_no_sync,
+)
+
+__all__ = ["build_optimizer", "lr_at", "train"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine from lr down to min_lr_ratio * lr."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(1, cfg.steps - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matmul weights only (not biases, norms or embeddings)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for p in model.parameters():  # the tied head appears once, as the embedding
+        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+class StopFlag:
+    """Set by SIGTERM; the loop checks it (collectively) at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def check_preflight(cfg: TrainConfig) -> None:
+    """What the config alone does not rule out. Runs before any process group."""
+    if cfg.precision == "fp16" and cfg.strategy == "fsdp":
+        # GradScaler would skip steps per rank on its own shard's overflow, so ranks could
+        # disagree; bf16 needs no scaler.
+        raise ConfigError("precision: fp16 works with strategy ddp only; use bf16 with fsdp")
+    if cfg.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("precision: fp16 needs CUDA (GradScaler); use bf16 or fp32 on CPU")
+
+
+def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> int:
+    """Run to cfg.steps (or until SIGTERM); the process exit code."""
+    check_preflight(cfg)
+    # Data errors surface here, on every rank alike, before any process group exists.
+    train_data = TokenDataset(data_dir, "train", cfg.model.seq_len)
+    val_data = TokenDataset(data_dir, "val", cfg.model.seq_len) if cfg.eval.every else None
+    device = init_distributed(env)
+    stop = StopFlag()
+    stop.install()
+    metrics = MetricsLogger(run_dir, env, enabled=env.is_main)
+    try:
+        return _run(cfg, run_dir, env, device, train_data, val_data, stop, metrics)
+    except torch.OutOfMemoryError as exc:
+        message = f"out of memory: {str(exc).splitlines()[0]}"
+        print(f"trainer: oom: rank {env.rank}: {message}", file=sys.stderr, flush=True)
+        write_exit_file(run_dir, "oom", message, rank=env.rank, step=None, exit_code=ExitCode.OOM)
+        return ExitCode.OOM
+    finally:
+        metrics.close()
+        stop.restore()
+        destroy_distributed()
+
+
+def _run(
+    cfg: TrainConfig,
+    run_dir: Path,
+    env: TrainerEnv,
+    device: torch.device,
+    train_data: TokenDataset,
+    val_data: TokenDataset | None,
+    stop: StopFlag,
+    metrics: MetricsLogger,
+) -> int:
+    world, B, accum = env.world_size, cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps
+    # Build with the same seed on every rank: one process, DDP and FSDP start identical.
+    torch.manual_seed(cfg.seed)
+    gpt = GPT(cfg.model).to(device)
+    gpt.init_weights()
+    flops_per_token, n_params = gpt.flops_per_token(), gpt.num_params()
+    if cfg.compile:
+        apply_compile(gpt)
+    half = _DTYPES.get(cfg.precision)
+    model: nn.Module = gpt
+    if env.distributed and cfg.strategy == "fsdp":
+        model = apply_fsdp(gpt, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+    elif env.distributed:
+        model = apply_ddp(gpt, device)
+    strategy = cfg.strategy if env.distributed else "single"
+    optimizer = build_optimizer(gpt, cfg.optim)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    autocast = (
+        torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext()
+    )
+
+    progress = Progress(step=0, tokens_seen=0)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        progress = load_checkpoint(
+            ckpt, model, optimizer, scaler, strategy=strategy, rank=env.rank, device=device
+        )
+        _say(env, f"resumed from {ckpt} at step {progress.step}")
+    else:
+        _say(env, f"{n_params:,} parameters, {strategy} x{world}, {cfg.precision}, {device}")
+    sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
+    val_sampler = BatchSampler(val_data, B, 1, env.rank, world, cfg.seed) if val_data else None
+    tokens_per_step = B * accum * world * cfg.model.seq_len
+    peak = peak_flops(device, cfg.precision)
+    window = StepWindow(tokens_per_step, world, flops_per_token, peak, device)
+    every = cfg.checkpoint.every
+
+    def save(progress: Progress) -> None:
+        save_checkpoint(
+            run_dir,
+            progress,
+            model,
+            optimizer,
+            scaler,
+            strategy=strategy,
+            rank=env.rank,
+            world_size=world,
+            keep=cfg.checkpoint.keep,
+        )
+
+    model.train()
+    for step in range(progress.step, cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            t_data = time.perf_counter()
+            x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step, micro))
+            window.data_seconds += time.perf_counter() - t_data
+            with maybe_no_sync(model, sync=micro == accum - 1):
+                with autocast:
+                    loss = model(x, y) / accum
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        # One collective: the global mean loss (NaN anywhere is NaN everywhere) and the stop vote.
+        stop_vote = torch.tensor(float(stop.requested), device=device)
+        shared = all_reduce_sum(torch.stack([loss_sum, stop_vote])).tolist()
+        loss_value, done = shared[0] / world, step + 1
+        if not math.isfinite(loss_value):
+            return _fail_nan(env, run_dir, done, loss_value)
+        scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        progress = Progress(done, progress.tokens_seen + tokens_per_step)
+        window.add(time.perf_counter() - t0)
+
+        stop_now = shared[1] > 0 and done < cfg.steps  # on the last step, just finish
+        val_loss = None
+        if val_sampler and (done % cfg.eval.every == 0 or done == cfg.steps):
+            val_loss = evaluate(model, val_sampler, cfg.eval.steps, device, autocast, world)
+        if done % cfg.log_every == 0 or done == cfg.steps or val_loss is not None:
+            record = window.record(
+                done, cfg.steps, loss=loss_value, lr=lr, grad_norm=grad_norm, val_loss=val_loss
+            )
+            _say(env, format_line(record))
+            metrics.log(record)
+        if stop_now or done == cfg.steps or (every and done % every == 0):
+            save(progress)
+        if stop_now:
+            return _preempted(env, run_dir, done)
+    _say(env, f"done: {progress.step} steps, {progress.tokens_seen:,} tokens")
+    return ExitCode.OK
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    sampler: BatchSampler,
+    steps: int,
+    device: torch.device,
+    autocast: Any,
+    world: int,
+) -> float:
+    """Mean loss over the same ``steps`` val batches each time, averaged over all ranks."""
+    model.eval()
+    total = torch.zeros((), device=device)
+    for i in range(steps):
+        x, y = (t.to(device, non_blocking=True) for t in sampler.batch(i, 0))
+        with autocast:
+            total += model(x, y)
+    model.train()
+    return all_reduce_sum(total).item() / (steps * world)
+
+
+def _say(env: TrainerEnv, line: str) -> None:
+    if env.is_main:
+        print(line, flush=True)
+
+
+def _fail_nan(env: TrainerEnv, run_dir: Path, step: int, loss: float) -> int:
+    """Every rank saw the same non-finite global loss: rank 0 reports, all exit NAN_LOSS."""
+    message = (
+        f"loss is {loss} at step {step}; the run diverged (lower optim.lr, "
+        f"or check optim.weight_decay and optim.grad_clip)"
+    )
+    if env.is_main:
+        print(f"trainer: nan_loss: {message}", file=sys.stderr, flush=True)
+        write_exit_file(
+            run_dir, "nan_loss", message, rank=env.rank, step=step, exit_code=ExitCode.NAN_LOSS
+        )
+    return ExitCode.NAN_LOSS
+
+
+def _preempted(env: TrainerEnv, run_dir: Path, step: int) -> int:
+    """SIGTERM reached a rank; all of them saved at this step and now exit 0."""
+    message = f"preempted, checkpoint saved at step {step}"
+    _say(env, message)
+    if env.is_main:
+        write_exit_file(
+            run_dir, "preempted", message, rank=env.rank, step=step, exit_code=ExitCode.OK
+        )
+    return ExitCode.OK
