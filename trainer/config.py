@@ -98,6 +98,15 @@ class TrainConfig(_Strict):
     log_every: int = Field(1, ge=1, le=1_000_000)
     compile: bool = False
 
+    @model_validator(mode="after")
+    def _fp16_needs_ddp(self) -> TrainConfig:
+        # GradScaler would skip steps per rank on its own shard's overflow under FSDP, so
+        # ranks could disagree; bf16 needs no scaler. (fp16 also needs CUDA, which only the
+        # host that runs the job can tell.)
+        if self.precision == "fp16" and self.strategy == "fsdp":
+            raise ValueError("precision fp16 works with strategy ddp only; use bf16 with fsdp")
+        return self
+
     @property
     def tokens_per_step_per_rank(self) -> int:
         return self.batch.micro_batch_size * self.batch.grad_accum_steps * self.model.seq_len

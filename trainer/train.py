@@ -85,11 +85,7 @@ class StopFlag:
 
 
 def check_preflight(cfg: TrainConfig) -> None:
-    """What the config alone does not rule out. Runs before any process group."""
-    if cfg.precision == "fp16" and cfg.strategy == "fsdp":
-        # GradScaler would skip steps per rank on its own shard's overflow, so ranks could
-        # disagree; bf16 needs no scaler.
-        raise ConfigError("precision: fp16 works with strategy ddp only; use bf16 with fsdp")
+    """What the config cannot rule out (it depends on this host); runs before any process group."""
     if cfg.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("precision: fp16 needs CUDA (GradScaler); use bf16 or fp32 on CPU")
 
