@@ -1,0 +1,218 @@
+"""trainer.prepare: text to shards (byte-level and a local HF tokenizer), the CLI, the demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.assets import make_corpus
+from trainer.data import DataError, TokenDataset, find_shards, open_shard
+from trainer.prepare import prepare, prepare_demo
+
+TEXT = "Grüße aus Köln! 日本語も少し。\nThe quick brown fox jumps over the lazy dog.\n" * 40
+
+
+def _run(
+    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.prepare", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _tokens(folder: Path, split: str) -> np.ndarray:
+    return np.concatenate([np.asarray(open_shard(p)) for p in find_shards(folder, split)])
+
+
+def test_cli_byte_level_round_trip(
+    tmp_path: Path, subprocess_env: dict[str, str], repo_root: Path
+) -> None:
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(TEXT, encoding="utf-8")
+    b.write_text("Second file.\n", encoding="utf-8")
+    out = tmp_path / "data"
+    n = len((TEXT + "Second file.\n").encode("utf-8"))
+
+    res = _run(
+        ["--out", str(out), "--val-fraction", "0.25", "--shard-tokens", "1000", str(a), str(b)],
+        subprocess_env,
+        repo_root,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    n_val = round(n * 0.25)
+    train_shards = -(-(n - n_val) // 1000)
+    val_shards = -(-n_val // 1000)
+    assert res.stdout.strip() == (
+        f"prepared {out}: {n - n_val} train tokens in {train_shards} shard(s), {n_val} val "
+        f"tokens in {val_shards} shard(s), vocab size 256 (byte)"
+    )
+    assert len(find_shards(out, "train")) == train_shards > 1
+    # the tokens are the UTF-8 bytes, files in order, val the last quarter
+    tokens = np.concatenate([_tokens(out, "train"), _tokens(out, "val")])
+    assert bytes(tokens.astype(np.uint8)).decode("utf-8") == TEXT + "Second file.\n"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] == 256 and meta["val_tokens"] == n_val
+    # and the dataset reads what prepare wrote
+    assert TokenDataset(out, "val", 31).num_samples > 0
+
+
+def _bad_utf8(tmp_path: Path) -> list[str]:
+    p = tmp_path / "latin1.txt"
+    p.write_bytes("café".encode("latin-1"))
+    return [str(p)]
+
+
+def _empty(tmp_path: Path) -> list[str]:
+    p = tmp_path / "empty.txt"
+    p.write_bytes(b"")
+    return [str(p)]
+
+
+def _missing(tmp_path: Path) -> list[str]:
+    return [str(tmp_path / "missing.txt")]
+
+
+def _directory(tmp_path: Path) -> list[str]:
+    (tmp_path / "adir").mkdir()
+    return [str(tmp_path / "adir")]
+
+
+def _bad_fraction(tmp_path: Path) -> list[str]:
+    p = tmp_path / "ok.txt"
+    p.write_text("hello world\n")
+    return ["--val-fraction", "1.5", str(p)]
+
+
+def _bad_tokenizer(tmp_path: Path) -> list[str]:
+    p, t = tmp_path / "ok.txt", tmp_path / "tokenizer.json"
+    p.write_text("hello world\n")
+    t.write_text("{not json")
+    return ["--tokenizer", str(t), str(p)]
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (_bad_utf8, "latin1.txt is not UTF-8 text (byte 0xe9 at offset 3)"),
+        (_empty, "empty.txt is empty"),
+        (_missing, "missing.txt does not exist"),
+        (_directory, "adir is a directory"),
+        (_bad_fraction, "val fraction must be in [0, 1), got 1.5"),
+        (_bad_tokenizer, "tokenizer.json cannot be loaded"),
+    ],
+    ids=["not-utf8", "empty", "missing", "directory", "val-fraction", "bad-tokenizer"],
+)
+def test_cli_bad_input_is_one_line(
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    repo_root: Path,
+    make: Callable[[Path], list[str]],
+    expected: str,
+) -> None:
+    args = make(tmp_path)
+    out = tmp_path / "out"
+    res = _run(["--out", str(out), *args], subprocess_env, repo_root)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("prepare: error: ") and expected in lines[0]
+    assert not out.exists() or not any(out.iterdir()), "a failed prepare wrote shards"
+
+
+def test_existing_shards_need_overwrite(tmp_path: Path) -> None:
+    src = tmp_path / "a.txt"
+    src.write_text("a" * 5000)
+    out = tmp_path / "out"
+    prepare([src], out, shard_tokens=1000)
+    assert len(find_shards(out, "train")) == 5
+    src.write_text("b" * 1500)
+    with pytest.raises(DataError, match="already holds shards"):
+        prepare([src], out)
+    summary = prepare([src], out, shard_tokens=1000, overwrite=True)
+    # the stale train_000002..4 from the larger run are gone
+    assert [p.name for p in find_shards(out, "train")] == ["train_000000.bin", "train_000001.bin"]
+    assert summary.train_tokens + summary.val_tokens == 1500
+    assert set(_tokens(out, "train").tolist()) == {ord("b")}
+
+
+def _train_bpe(path: Path, text: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    tok.save(str(path))
+
+
+def test_hf_tokenizer_round_trip(
+    tmp_path: Path, subprocess_env: dict[str, str], repo_root: Path
+) -> None:
+    from tokenizers import Tokenizer
+
+    text = make_corpus.generate(target_bytes=20_000)
+    src, tj = tmp_path / "corpus.txt", tmp_path / "tokenizer.json"
+    src.write_text(text, encoding="utf-8")
+    _train_bpe(tj, text, vocab_size=400)
+    tok = Tokenizer.from_file(str(tj))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    assert vocab > 256
+
+    out = tmp_path / "data"
+    res = _run(["--out", str(out), "--tokenizer", str(tj), str(src)], subprocess_env, repo_root)
+    assert res.returncode == 0, res.stderr
+    assert f"vocab size {vocab} ({tj})" in res.stdout
+    ids = np.concatenate([_tokens(out, "train"), _tokens(out, "val")])
+    assert ids.max() >= 256  # merges were used, so this is not byte-level in disguise
+    assert ids.size < len(text.encode("utf-8")) // 2
+    assert tok.decode(ids.tolist()) == text
+
+
+def test_hf_vocab_must_fit_uint16(
+    tmp_path: Path, subprocess_env: dict[str, str], repo_root: Path
+) -> None:
+    from tokenizers import Tokenizer, models
+
+    tj = tmp_path / "big.json"
+    vocab = {f"w{i}": i for i in range(70_000)}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0")).save(str(tj))
+    src = tmp_path / "a.txt"
+    src.write_text("w1 w2 w3\n")
+    res = _run(
+        ["--out", str(tmp_path / "o"), "--tokenizer", str(tj), str(src)], subprocess_env, repo_root
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "vocab size 70000" in res.stderr and "uint16" in res.stderr
+
+
+def test_demo_corpus_is_generated_and_shards(tmp_path: Path) -> None:
+    text = make_corpus.DEMO_PATH.read_text(encoding="utf-8")
+    assert text == make_corpus.generate(), (
+        "demo.txt is stale: run python -m trainer.assets.make_corpus"
+    )
+    assert 100_000 < len(text.encode("utf-8")) < 400_000
+
+    out = prepare_demo(tmp_path / "demo")
+    train = TokenDataset(out, "train", 64)
+    val = TokenDataset(out, "val", 64)
+    assert len(train.paths) > 1 and train.num_samples > val.num_samples > 0
+    tokens = np.concatenate([_tokens(out, "train"), _tokens(out, "val")])
+    assert bytes(tokens.astype(np.uint8)).decode("utf-8") == text
+    prepare_demo(out)  # idempotent: a second `trainq up --demo` simply rewrites it
+    assert TokenDataset(out, "train", 64).num_samples == train.num_samples

@@ -1,0 +1,259 @@
+"""Turn UTF-8 text files into llm.c-format train/val token shards.
+
+``python -m trainer.prepare --out DIR [--val-fraction 0.1] [--shard-tokens N]
+[--tokenizer PATH/tokenizer.json] FILE...`` writes ``DIR/train_000000.bin ...`` and
+``DIR/val_000000.bin ...`` plus ``DIR/meta.json`` (tokenizer, vocab size, token counts).
+
+The default tokenizer is byte-level: every UTF-8 byte is a token (vocab 256), so any text
+works and the tokens decode back with ``bytes(tokens).decode("utf-8")``. With ``--tokenizer``
+a local Hugging Face ``tokenizer.json`` is used through the optional ``tokenizers`` package
+(``pip install 'trainq[hf]'``); its vocabulary must fit uint16.
+
+Files are concatenated in the order given; the last ``val_fraction`` of the tokens is the
+validation split. Bad input is a :class:`~trainer.data.DataError` from :func:`prepare`; the
+CLI prints it as one line on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.data import DataError, write_shard
+
+__all__ = ["PrepareSummary", "main", "prepare", "prepare_demo"]
+
+BYTE_VOCAB = 256
+UINT16_VOCAB = 1 << 16
+DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c's shard size
+# Text is handed to a HF tokenizer in chunks of whole lines, so memory stays bounded.
+_CHUNK_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class PrepareSummary:
+    out: str
+    tokenizer: str  # "byte" or the tokenizer.json path
+    vocab_size: int
+    train_tokens: int
+    val_tokens: int
+    train_shards: int
+    val_shards: int
+
+    def line(self) -> str:
+        return (
+            f"prepared {self.out}: {self.train_tokens} train tokens in {self.train_shards} "
+            f"shard(s), {self.val_tokens} val tokens in {self.val_shards} shard(s), "
+            f"vocab size {self.vocab_size} ({self.tokenizer})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"input file {path} does not exist") from None
+    except IsADirectoryError:
+        raise DataError(f"input file {path} is a directory") from None
+    except OSError as exc:
+        raise DataError(f"input file {path}: cannot read: {exc.strerror}") from exc
+    if not raw:
+        raise DataError(f"input file {path} is empty")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"input file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start})"
+        ) from None
+
+
+class _ByteTokenizer:
+    name = "byte"
+    vocab_size = BYTE_VOCAB
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+class _HFTokenizer:
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(
+                "--tokenizer needs the 'tokenizers' package: pip install 'trainq[hf]'"
+            ) from None
+        if not path.is_file():
+            raise DataError(f"tokenizer file {path} does not exist")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
+            raise DataError(f"tokenizer file {path} cannot be loaded: {exc}") from exc
+        self.name = str(path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        if self.vocab_size > UINT16_VOCAB:
+            raise DataError(
+                f"tokenizer {path} has vocab size {self.vocab_size}; shards hold uint16 "
+                f"tokens, so at most {UINT16_VOCAB}"
+            )
+
+    def encode(self, text: str) -> np.ndarray:
+        parts = [
+            np.asarray(enc.ids, dtype=np.uint16)
+            for enc in self._tok.encode_batch(list(_line_chunks(text)), add_special_tokens=False)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def _line_chunks(text: str) -> Iterator[str]:
+    """Whole lines grouped into chunks of about _CHUNK_CHARS characters."""
+    buf: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        buf.append(line)
+        size += len(line)
+        if size >= _CHUNK_CHARS:
+            yield "".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf)
+
+
+def _write_split(out: Path, split: str, tokens: np.ndarray, shard_tokens: int) -> int:
+    starts = range(0, tokens.size, shard_tokens)
+    for n, start in enumerate(starts):
+        write_shard(out / f"{split}_{n:06d}.bin", tokens[start : start + shard_tokens])
+    return len(starts)
+
+
+def prepare(
+    files: Sequence[str | Path],
+    out: str | Path,
+    *,
+    val_fraction: float = 0.1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    tokenizer: str | Path | None = None,
+    overwrite: bool = False,
+) -> PrepareSummary:
+    """Tokenize ``files`` into ``out``; DataError (one line) on any bad input.
+
+    ``out`` must not already hold shards unless ``overwrite``, which first removes them: a
+    stale ``train_000007.bin`` from an earlier, larger run would silently join the split.
+    """
+    if not files:
+        raise DataError("no input files given")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
+    if not 1 <= shard_tokens <= np.iinfo(np.int32).max:
+        raise DataError(f"shard tokens must be in 1..{np.iinfo(np.int32).max}, got {shard_tokens}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {out} exists and is not a directory")
+    tok: _ByteTokenizer | _HFTokenizer = (
+        _ByteTokenizer() if tokenizer is None else _HFTokenizer(Path(tokenizer))
+    )
+    texts = [_read_text(Path(f)) for f in files]  # read all first: fail before writing anything
+    parts = [tok.encode(t) for t in texts]
+    tokens = np.concatenate(parts)
+    if tokens.size == 0:
+        raise DataError("the input files produced no tokens")
+    n_val = round(tokens.size * val_fraction)
+    if val_fraction > 0 and n_val == 0:
+        n_val = 1
+    if n_val >= tokens.size:
+        raise DataError(
+            f"{tokens.size} tokens are too few to split off a val fraction of {val_fraction}"
+        )
+    existing = sorted([*out.glob("train*.bin"), *out.glob("val*.bin")]) if out.is_dir() else []
+    if existing and not overwrite:
+        raise DataError(
+            f"output {out} already holds shards ({existing[0].name}, ...); "
+            f"choose an empty folder or pass --overwrite"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in existing:
+            old.unlink()
+        train, val = tokens[: tokens.size - n_val], tokens[tokens.size - n_val :]
+        summary = PrepareSummary(
+            out=str(out),
+            tokenizer=tok.name,
+            vocab_size=tok.vocab_size,
+            train_tokens=int(train.size),
+            val_tokens=int(val.size),
+            train_shards=_write_split(out, "train", train, shard_tokens),
+            val_shards=_write_split(out, "val", val, shard_tokens) if val.size else 0,
+        )
+        _write_json(out / "meta.json", summary.to_dict())
+    except OSError as exc:
+        raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
+    return summary
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+    ) as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    Path(f.name).replace(path)
+
+
+def prepare_demo(out: str | Path) -> Path:
+    """Shard the bundled demo corpus (byte-level) into ``out``, replacing shards there."""
+    out = Path(out)
+    with resources.as_file(resources.files("trainer.assets") / "demo.txt") as demo:
+        # Small shards, so the demo also exercises a split made of several shards.
+        prepare([demo], out, val_fraction=0.1, shard_tokens=65_536, overwrite=True)
+    return out
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.prepare",
+        description="Turn UTF-8 text files into llm.c-format train/val token shards.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files, in order")
+    p.add_argument("--out", required=True, help="output folder for the shards")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of tokens for val")
+    p.add_argument(
+        "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard"
+    )
+    p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
+    p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        summary = prepare(
+            args.files,
+            args.out,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+            tokenizer=args.tokenizer,
+            overwrite=args.overwrite,
+        )
+    except DataError as exc:
+        print(f"prepare: error: {exc}", file=sys.stderr)
+        return 1
+    print(summary.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
