@@ -58,7 +58,11 @@ def subprocess_env() -> dict[str, str]:
 
 
 class RedisDBs:
-    """Hands out whole Redis database numbers (1..15) claimed for this test session."""
+    """Hands out whole Redis database numbers (2..15) claimed for this test session.
+
+    0 and 1 are the defaults of TRAINQ_REDIS_URL and TRAINQ_BROKER_URL, so a process started
+    with default settings never lands in a test's database.
+    """
 
     def __init__(self) -> None:
         import redis
@@ -68,14 +72,14 @@ class RedisDBs:
         self.claimed: list[int] = []
 
     def claim(self) -> int:
-        for n in range(1, 16):
+        for n in range(2, 16):
             if self._admin.set(f"trainq-test:db:{n}", self._token, nx=True, ex=4 * 3600):
                 self.claimed.append(n)
                 import redis
 
                 redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
                 return n
-        raise RuntimeError("no free Redis database number (1..15) for this test session")
+        raise RuntimeError("no free Redis database number (2..15) for this test session")
 
     def url(self, n: int) -> str:
         return f"redis://{REDIS_HOST}:{REDIS_PORT}/{n}"

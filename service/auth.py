@@ -1,0 +1,134 @@
+"""Bearer tokens: created by ``trainq token create``, stored only as a sha256 hash.
+
+A token's name is the owner of the jobs it submits; it sees and cancels only those (others'
+jobs answer 404, as if they did not exist), and an admin token sees all. Lookups are cached
+for ``token_cache_s`` so the hot GET path does not pay a query per request; a revoked token
+stops working within that time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, select, update
+from sqlalchemy.orm import Session
+
+from service.errors import Unauthorized
+from service.models import ApiToken, utcnow
+
+__all__ = [
+    "ANONYMOUS",
+    "Principal",
+    "TokenCache",
+    "create_token",
+    "hash_token",
+    "list_tokens",
+    "revoke_tokens",
+]
+
+TOKEN_PREFIX = "tq_"
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    admin: bool = False
+
+    def can_see(self, owner: str) -> bool:
+        return self.admin or hmac.compare_digest(owner, self.name)
+
+
+# With TRAINQ_AUTH=off every caller is this one admin.
+ANONYMOUS = Principal("anonymous", admin=True)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(session: Session, name: str, *, admin: bool = False) -> str:
+    """Store a new token's hash and return the token itself (the only time it exists)."""
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    session.add(ApiToken(name=name, token_hash=hash_token(token), admin=admin, created_at=utcnow()))
+    return token
+
+
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_tokens(session: Session, *, name: str | None = None, token_id: int | None = None) -> int:
+    stmt = update(ApiToken).where(ApiToken.revoked_at.is_(None)).values(revoked_at=utcnow())
+    if token_id is not None:
+        stmt = stmt.where(ApiToken.id == token_id)
+    elif name is not None:
+        stmt = stmt.where(ApiToken.name == name)
+    else:
+        raise ValueError("revoke needs a name or an id")
+    return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+
+
+def _bearer(authorization: str | None) -> str:
+    if not authorization:
+        raise Unauthorized("missing bearer token (Authorization: Bearer TOKEN)")
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("the Authorization header must be 'Bearer TOKEN'")
+    return token
+
+
+class TokenCache:
+    """Resolves a bearer token to its principal, remembering answers for ``ttl_s``."""
+
+    def __init__(
+        self, connect: Callable[[], AbstractContextManager[Session | Connection]], ttl_s: float
+    ) -> None:
+        self._connect = connect
+        self._ttl = ttl_s
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
+
+    def resolve_cached(self, authorization: str | None) -> Principal:
+        """The answer without touching the database; LookupError if it would have to."""
+        hit = self._cache.get(hash_token(_bearer(authorization)))
+        if hit is None or time.monotonic() - hit[0] >= self._ttl:
+            raise LookupError("not cached")
+        if hit[1] is None:
+            raise Unauthorized("unknown or revoked token")
+        return hit[1]
+
+    def resolve(self, authorization: str | None) -> Principal:
+        digest = hash_token(_bearer(authorization))
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and now - hit[0] < self._ttl:
+            principal = hit[1]
+        else:
+            principal = self._lookup(digest)
+            with self._lock:
+                if len(self._cache) > 10_000:  # unknown tokens must not grow it forever
+                    self._cache.clear()
+                self._cache[digest] = (now, principal)
+        if principal is None:
+            raise Unauthorized("unknown or revoked token")
+        return principal
+
+    def _lookup(self, digest: str) -> Principal | None:
+        with self._connect() as conn:
+            row = conn.execute(
+                select(ApiToken.name, ApiToken.admin, ApiToken.token_hash).where(
+                    ApiToken.token_hash == digest, ApiToken.revoked_at.is_(None)
+                )
+            ).first()
+        # The index finds the row; the constant-time compare is what decides.
+        if row is None or not hmac.compare_digest(row.token_hash, digest):
+            return None
+        return Principal(row.name, bool(row.admin))

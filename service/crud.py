@@ -1,0 +1,269 @@
+"""Job queries and writes behind the routes: create (idempotent), get, list (keyset), queue
+position, metrics and logs. Core statements on the tables, to keep the hot paths lean.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, func, insert, select
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.errors import Conflict, InvalidInput
+from service.models import ATTEMPTS, JOBS, LOGS, METRICS, new_job_id, utcnow
+from service.schemas import JobSpec
+
+__all__ = [
+    "attempts_of",
+    "create_job",
+    "decode_cursor",
+    "encode_cursor",
+    "get_job",
+    "list_jobs",
+    "log_chunks",
+    "metric_rows",
+    "queue_position",
+]
+
+
+# Reads run on a Session or, on the hot paths, straight on an autocommit Connection.
+Reader = Session | Connection
+
+SUMMARY_COLUMNS = [c for c in JOBS.c if c.name not in ("train", "spec_hash", "idempotency_key")]
+
+
+_INSERT_JOB = insert(JOBS)
+_INSERT_ATTEMPT = insert(ATTEMPTS)
+
+
+def create_job(
+    session: Session, principal: Principal, spec: JobSpec, idempotency_key: str | None
+) -> tuple[dict[str, Any], bool]:
+    """Insert a queued job and its first attempt; (row, created). The same idempotency key
+    with the same spec returns the existing job, with another spec raises Conflict."""
+    spec_hash = spec.spec_hash()
+    now = utcnow()
+    row: dict[str, Any] = {
+        "id": new_job_id(),
+        "owner": principal.name,
+        "name": spec.name,
+        "queue": spec.queue,
+        "labels": dict(spec.labels),
+        "nodes": spec.nodes,
+        "procs_per_node": spec.procs_per_node,
+        "max_runtime_s": spec.max_runtime_s,
+        "retries": spec.retries,
+        "train": spec.train.model_dump(mode="json"),
+        "spec_hash": spec_hash,
+        "idempotency_key": idempotency_key,
+        "status": "queued",
+        "reason": None,
+        "message": None,
+        "attempt": 1,
+        "retries_used": 0,
+        "created_at": now,
+        "started_at": None,
+        "ended_at": None,
+        "metric_attempt": None,
+        "last_step": None,
+        "last_metrics": None,
+    }
+    try:
+        with session.begin():
+            # Parameters apart from the statement: the compiled INSERT comes from the cache.
+            session.execute(_INSERT_JOB, row)
+            session.execute(
+                _INSERT_ATTEMPT,
+                {
+                    "job_id": row["id"],
+                    "number": 1,
+                    "status": "dispatched",
+                    "free": False,
+                    "created_at": now,
+                },
+            )
+        return row, True
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+    # The unique (owner, idempotency_key) said another request got there first; on
+    # PostgreSQL the conflict waits for that transaction, so its row is committed by now.
+    existing = (
+        session.execute(
+            select(JOBS).where(
+                JOBS.c.owner == principal.name, JOBS.c.idempotency_key == idempotency_key
+            )
+        )
+        .mappings()
+        .first()
+    )
+    session.rollback()
+    if existing is None:  # the other request rolled back: take its place
+        return create_job(session, principal, spec, idempotency_key)
+    if existing["spec_hash"] != spec_hash:
+        raise Conflict(
+            f"Idempotency-Key {idempotency_key!r} was already used for job {existing['id']}"
+            " with a different spec"
+        )
+    return dict(existing), False
+
+
+def get_job(session: Reader, principal: Principal, job_id: str) -> RowMapping | None:
+    stmt = select(JOBS).where(JOBS.c.id == job_id)
+    if not principal.admin:
+        stmt = stmt.where(JOBS.c.owner == principal.name)
+    return session.execute(stmt).mappings().first()
+
+
+# The attempt columns a job's answer shows, prefixed so they sit beside the job's in one row.
+_ATTEMPT_OUT = [
+    ATTEMPTS.c[name].label(f"a_{name}")
+    for name in (
+        "number",
+        "status",
+        "host",
+        "worker",
+        "exit_code",
+        "reason",
+        "message",
+        "created_at",
+        "started_at",
+        "ended_at",
+    )
+]
+
+
+_JOB_OUT = [c for c in JOBS.c if c.name not in ("spec_hash", "idempotency_key")]
+# Built once: constructing a statement costs more than running it on the hot path.
+_JOB_WITH_ATTEMPTS = (
+    select(*_JOB_OUT, *_ATTEMPT_OUT)
+    .outerjoin(ATTEMPTS, ATTEMPTS.c.job_id == JOBS.c.id)
+    .where(JOBS.c.id == bindparam("job_id"))
+    .order_by(ATTEMPTS.c.number)
+)
+_OWN_JOB_WITH_ATTEMPTS = _JOB_WITH_ATTEMPTS.where(JOBS.c.owner == bindparam("owner"))
+
+
+def get_job_with_attempts(
+    session: Reader, principal: Principal, job_id: str
+) -> tuple[RowMapping | None, list[dict[str, Any]]]:
+    """The job and its attempts in one round trip (a join: one row per attempt)."""
+    if principal.admin:
+        result = session.execute(_JOB_WITH_ATTEMPTS, {"job_id": job_id})
+    else:
+        result = session.execute(
+            _OWN_JOB_WITH_ATTEMPTS, {"job_id": job_id, "owner": principal.name}
+        )
+    rows = list(result.mappings())
+    if not rows:
+        return None, []
+    attempts = [
+        {key[2:]: value for key, value in r.items() if key.startswith("a_")}
+        for r in rows
+        if r["a_number"] is not None
+    ]
+    return rows[0], attempts
+
+
+def job_exists(session: Reader, principal: Principal, job_id: str) -> bool:
+    stmt = select(JOBS.c.id).where(JOBS.c.id == job_id)
+    if not principal.admin:
+        stmt = stmt.where(JOBS.c.owner == principal.name)
+    return session.execute(stmt).first() is not None
+
+
+def attempts_of(session: Reader, job_id: str) -> list[RowMapping]:
+    return list(
+        session.execute(
+            select(ATTEMPTS).where(ATTEMPTS.c.job_id == job_id).order_by(ATTEMPTS.c.number)
+        ).mappings()
+    )
+
+
+def queue_position(session: Reader, queue: str, job_id: str) -> int:
+    """1 + the queued jobs of this queue submitted before this one (oldest runs first)."""
+    ahead = session.execute(
+        select(func.count())
+        .select_from(JOBS)
+        .where(JOBS.c.queue == queue, JOBS.c.status == "queued", JOBS.c.id < job_id)
+    ).scalar_one()
+    return int(ahead) + 1
+
+
+def encode_cursor(job_id: str) -> str:
+    return base64.urlsafe_b64encode(job_id.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> str:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("ascii")
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidInput.at(["query", "cursor"], "cursor is not one this API issued") from exc
+    if not raw or len(raw) > 32 or not raw.isalnum():
+        raise InvalidInput.at(["query", "cursor"], "cursor is not one this API issued")
+    return raw
+
+
+def list_jobs(
+    session: Reader,
+    principal: Principal,
+    *,
+    status: str | None,
+    name: str | None,
+    labels: list[tuple[str, str]],
+    limit: int,
+    after_id: str | None,
+) -> tuple[list[RowMapping], str | None]:
+    """Newest first; keyset on the time-ordered id, so a deep page costs what the first does."""
+    stmt = select(*SUMMARY_COLUMNS)
+    if not principal.admin:
+        stmt = stmt.where(JOBS.c.owner == principal.name)
+    if status is not None:
+        stmt = stmt.where(JOBS.c.status == status)
+    if name is not None:
+        stmt = stmt.where(JOBS.c.name == name)
+    for key, value in labels:
+        stmt = stmt.where(JOBS.c.labels[key].as_string() == value)
+    if after_id is not None:
+        stmt = stmt.where(JOBS.c.id < after_id)
+    rows = list(session.execute(stmt.order_by(JOBS.c.id.desc()).limit(limit + 1)).mappings())
+    next_cursor = encode_cursor(rows[limit - 1]["id"]) if len(rows) > limit else None
+    return rows[:limit], next_cursor
+
+
+def metric_rows(session: Reader, job_id: str, since_step: int | None) -> list[RowMapping]:
+    stmt = select(METRICS.c.attempt, METRICS.c.step, METRICS.c.ts, METRICS.c.data).where(
+        METRICS.c.job_id == job_id
+    )
+    if since_step is not None:
+        stmt = stmt.where(METRICS.c.step >= since_step)
+    return list(session.execute(stmt.order_by(METRICS.c.step, METRICS.c.attempt)).mappings())
+
+
+def log_chunks(
+    session: Reader, job_id: str, attempt: int | None, *, newest_first: bool = False
+) -> Iterator[RowMapping]:
+    """A job's log chunks in order (or newest first, for a tail that stops early)."""
+    stmt = select(LOGS.c.attempt, LOGS.c.seq, LOGS.c.lines).where(LOGS.c.job_id == job_id)
+    if attempt is not None:
+        stmt = stmt.where(LOGS.c.attempt == attempt)
+    order = (
+        (LOGS.c.attempt.desc(), LOGS.c.seq.desc()) if newest_first else (LOGS.c.attempt, LOGS.c.seq)
+    )
+    return iter(session.execute(stmt.order_by(*order)).mappings())
+
+
+def log_marks(session: Reader, job_id: str) -> dict[int, int]:
+    """The last log seq stored per attempt: where a follower of the live stream takes over."""
+    rows = session.execute(
+        select(LOGS.c.attempt, func.max(LOGS.c.seq))
+        .where(LOGS.c.job_id == job_id)
+        .group_by(LOGS.c.attempt)
+    )
+    return {int(a): int(seq) for a, seq in rows}

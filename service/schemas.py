@@ -1,0 +1,168 @@
+"""The API's request and response models (the OpenAPI schema is generated from these).
+
+A job spec's ``train`` field is exactly ``trainer.config.TrainConfig``: one definition of a
+training spec for the service that validates it and the trainer that runs it. Every model
+that takes input forbids unknown fields and bounds every number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from trainer.config import TrainConfig
+
+__all__ = [
+    "AttemptOut",
+    "JobList",
+    "JobOut",
+    "JobSpec",
+    "JobStatus",
+    "JobSummary",
+    "LatestMetrics",
+    "MetricPoint",
+    "MetricsOut",
+    "WorkerList",
+    "WorkerOut",
+]
+
+JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+AttemptStatus = Literal["dispatched", "running", "exited", "lost"]
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite returns naive datetimes; everything the service stores is UTC.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UTCDatetime = Annotated[datetime, AfterValidator(_utc)]
+LabelKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+]
+LabelValue = Annotated[str, StringConstraints(max_length=255)]
+
+
+class JobSpec(BaseModel):
+    """What a client submits (JSON or YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("job", min_length=1, max_length=200)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+    queue: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    nodes: int = Field(1, ge=1, le=1024)
+    procs_per_node: int = Field(1, ge=1, le=64)
+    max_runtime_s: int | None = Field(None, ge=1, le=30 * 86400)
+    retries: int = Field(0, ge=0, le=20)
+    train: TrainConfig
+
+    def spec_hash(self) -> str:
+        """Same spec, same hash, whatever the key order or defaults left out."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class LatestMetrics(BaseModel):
+    step: int
+    steps: int | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+
+
+class AttemptOut(BaseModel):
+    number: int
+    status: AttemptStatus
+    host: str | None = None
+    worker: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    created_at: UTCDatetime
+    started_at: UTCDatetime | None = None
+    ended_at: UTCDatetime | None = None
+
+
+class JobSummary(BaseModel):
+    id: str
+    name: str
+    owner: str
+    queue: str
+    labels: dict[str, str]
+    status: JobStatus
+    reason: str | None = None
+    message: str | None = None
+    attempt: int
+    retries: int
+    retries_used: int
+    created_at: UTCDatetime
+    started_at: UTCDatetime | None = None
+    ended_at: UTCDatetime | None = None
+    latest: LatestMetrics | None = None
+
+
+class JobOut(JobSummary):
+    nodes: int
+    procs_per_node: int
+    max_runtime_s: int | None = None
+    train: dict[str, Any] = Field(description="the TrainConfig as stored, defaults filled in")
+    pending_reason: str | None = Field(
+        None, description='for a queued job: "no worker serves queue X" or "position N in queue X"'
+    )
+    attempts: list[AttemptOut] = Field(default_factory=list)
+
+
+class JobList(BaseModel):
+    items: list[JobSummary]
+    next_cursor: str | None = None
+
+
+class MetricPoint(BaseModel):
+    step: int
+    attempt: int
+    ts: float
+    steps: int | None = None
+    time: float | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    tokens_per_s_per_device: float | None = None
+    step_time_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    mem_peak_bytes: float | None = None
+    data_wait_frac: float | None = None
+
+
+METRIC_FIELDS: tuple[str, ...] = tuple(
+    name for name in MetricPoint.model_fields if name not in ("step", "attempt", "ts")
+)
+
+
+class MetricsOut(BaseModel):
+    job_id: str
+    total: int = Field(description="points after since_step, before downsampling")
+    downsampled: bool
+    points: list[MetricPoint]
+
+
+class WorkerOut(BaseModel):
+    name: str
+    host: str | None = None
+    queues: list[str] = Field(default_factory=list)
+    slots: int | None = None
+    gpus: list[int] = Field(default_factory=list)
+    running: list[str] = Field(default_factory=list)
+    ts: float
+    age_s: float
+
+
+class WorkerList(BaseModel):
+    items: list[WorkerOut]
