@@ -1,0 +1,38 @@
+// The logs pane: log events from the job's SSE stream, which starts at the stream's oldest
+// entry (the last lines of the run) and then follows.
+
+import { el } from "./format.js";
+
+const MAX_LINES = 5000; // DOM rows kept; older ones are dropped from the pane
+
+export class LogPane {
+  constructor() {
+    this.pre = el("pre", { class: "logs", "aria-live": "off" });
+    this.follow = el("input", { type: "checkbox", checked: true });
+    this.count = 0;
+    this.node = el("section", { class: "card" },
+      el("div", { class: "card-head" }, el("h2", { text: "Logs" }),
+        el("label", { class: "small muted" }, this.follow, " follow")),
+      this.pre);
+  }
+
+  lineNode({ rank, stream, line }) {
+    const who = rank === null || rank === undefined ? "worker" : rank;
+    return el("div", { class: stream === "stderr" ? "stderr" : "" }, `[${who}] ${line}`);
+  }
+
+  append(lines) {
+    const atBottom = this.pre.scrollHeight - this.pre.scrollTop - this.pre.clientHeight < 24;
+    this.pre.append(...lines.map((l) => this.lineNode(l)));
+    this.after(lines.length, atBottom);
+  }
+
+  after(added, atBottom = true) {
+    this.count += added;
+    while (this.count > MAX_LINES) {
+      this.pre.firstChild.remove();
+      this.count -= 1;
+    }
+    if (this.follow.checked && atBottom) this.pre.scrollTop = this.pre.scrollHeight;
+  }
+}
