@@ -1,0 +1,289 @@
+"""Dispatch latency and reporting cost of the worker, measured side by side with bare torchrun.
+
+    .venv/bin/python bench/dispatch.py [--samples 15] [--rounds 3] [--steps 80]
+
+Starts its own redis-server on a free port (events on db 0, the Celery broker on db 1) and
+one ``python -m worker --queues cpu --slots 1``, then sends tasks by name exactly as the
+service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``).
+
+1. submit -> exec, on an idle worker (goal p50 <= 50 ms), ``--samples`` times:
+   - guard exec: the ``running`` event's time stamp (the worker stamps it as soon as Popen
+     returns, i.e. after the guard's exec succeeded);
+   - torchrun exec: the start time of the torchrun process in /proc (clock ticks, 10 ms
+     resolution), found by polling the process table.
+   Each sample is cancelled as soon as torchrun is seen, so samples are cheap.
+2. submit -> first metric on the wire (the Redis stream entry id of the first metric, ms),
+   against a bare ``torchrun -m trainer`` of the same config from Popen to its first step
+   (the ``time`` of the first record in metrics.jsonl). Goal: ratio <= 1.2. Not through the
+   HTTP API: this measures the worker's share (Celery, claim, launch, log/metric path).
+3. training throughput, worker vs bare torchrun, same config, 2 ranks, ``--rounds`` rounds
+   in alternating order; tokens/s over the steps after the first ``--warmup`` from each run's
+   metrics.jsonl ``time`` stamps. Goal: ratio >= 0.98.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+from celery import Celery  # noqa: E402
+
+from trainer.data import write_shard  # noqa: E402
+from trainer.events import Event, Keys  # noqa: E402
+from worker.message import TASK_NAME, JobMessage  # noqa: E402
+
+CFG: dict[str, Any] = {
+    "steps": 80,
+    "seed": 1,
+    "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64, "vocab_size": 256},
+    "data": {"path": "tiny"},
+    "batch": {"micro_batch_size": 8},
+    "eval": {"every": 0},
+    "checkpoint": {"every": 0, "keep": 1},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait(pred: Any, timeout: float, what: str, step: float = 0.005) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench: timed out waiting for {what}")
+        time.sleep(step)
+
+
+def boot_time() -> float:
+    return time.time() - float(Path("/proc/uptime").read_text().split()[0])
+
+
+def find_torchrun(run_dir: Path) -> int | None:
+    needle = str(run_dir).encode()
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in cmd and b"torch.distributed.run" in cmd and b"guard.py" not in cmd:
+                return int(e)
+    return None
+
+
+def start_time(pid: int, boot: float) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def throughput(run_dir: Path, warmup: int, tokens_per_step: int) -> float:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    t = [r["time"] for r in recs]
+    return tokens_per_step * (len(t) - warmup) / (t[-1] - t[warmup - 1])
+
+
+def first_metric_time(run_dir: Path) -> float:
+    line = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
+    return float(json.loads(line)["time"])
+
+
+class Bench:
+    def __init__(self, work: Path, steps: int) -> None:
+        self.work = work
+        self.port = free_port()
+        self.redis_proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--dir", str(work)],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.broker = f"redis://127.0.0.1:{self.port}/1"
+        self.r: Any = redis.Redis.from_url(self.url)
+        wait(lambda: self._ping(), 10, "redis-server")
+        self.keys = Keys()
+        self.data = work / "data"
+        rng = np.random.default_rng(0)
+        write_shard(self.data / "tiny" / "train_000.bin", rng.integers(0, 256, 400_000))
+        self.runs = work / "runs"
+        self.cfg = dict(CFG, steps=steps)
+        self.env = dict(os.environ)
+        self.env.update({
+            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "TRAINQ_REDIS_URL": self.url, "TRAINQ_BROKER_URL": self.broker,
+            "TRAINQ_DATA_ROOT": str(self.data), "TRAINQ_RUNS_ROOT": str(self.runs),
+            "TRAINQ_CANCEL_POLL_S": "0.2", "TRAINQ_CANCEL_GRACE_S": "10",
+        })  # fmt: skip
+        self.log = (work / "worker.log").open("wb")
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--queues", "cpu", "--slots", "1",
+             "--hostname", "bench"],
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO,
+        )  # fmt: skip
+        wait(lambda: self.r.hget(self.keys.workers, "bench"), 60, "the worker", 0.1)
+        self.sender = Celery(broker=self.broker)
+        self.sender.connection_for_write().ensure_connection()
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self.r.ping())
+        except redis.ConnectionError:
+            return False
+
+    def submit(self, procs: int, train: dict[str, Any], **kw: Any) -> tuple[str, float]:
+        job = f"b{uuid.uuid4().hex[:10]}"
+        msg = JobMessage.model_validate(
+            {"job_id": job, "attempt": 1, "queue": "cpu", "procs_per_node": procs,
+             "train": train, **kw}
+        )  # fmt: skip
+        t0 = time.time()
+        self.sender.send_task(TASK_NAME, args=[msg.to_json()], queue="cpu")
+        return job, t0
+
+    def events(self, job: str) -> list[tuple[float, Event]]:
+        return [(int(i.split(b"-")[0]) / 1000, Event.from_fields(f))
+                for i, f in self.r.xrange(self.keys.job(job))]  # fmt: skip
+
+    def exited(self, job: str, timeout: float = 300) -> dict[str, Any]:
+        def find() -> dict[str, Any] | None:
+            for _, e in self.events(job):
+                if e.kind == "lifecycle" and e.data["phase"] == "exited":
+                    return e.data
+            return None
+
+        return wait(find, timeout, f"{job} to exit", 0.05)
+
+    def close(self) -> None:
+        self.worker.send_signal(signal.SIGTERM)
+        try:
+            self.worker.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.worker.pid, signal.SIGKILL)
+        self.log.close()
+        self.redis_proc.terminate()
+        self.redis_proc.wait(10)
+
+    # --- 1 ---------------------------------------------------------------------------------
+    def dispatch_sample(self) -> tuple[float, float]:
+        boot = boot_time()
+        job, t0 = self.submit(1, dict(self.cfg, steps=100_000))
+        run_dir = self.runs / job
+        pid = wait(lambda: find_torchrun(run_dir), 30, "torchrun", 0.001)
+        t_torchrun = start_time(pid, boot)
+        self.r.set(self.keys.cancel(job), "1")
+        self.r.publish(self.keys.cancel_channel(), job)
+        self.exited(job)
+        running = next(ts for _, e in self.events(job) for ts in [e.ts]
+                       if e.kind == "lifecycle" and e.data["phase"] == "running")  # fmt: skip
+        return running - t0, t_torchrun - t0
+
+    # --- 2 and 3 ----------------------------------------------------------------------------
+    def worker_run(self) -> tuple[float, Path]:
+        job, t0 = self.submit(2, self.cfg)
+        done = self.exited(job)
+        assert done["reason"] is None, done
+        first = next(t for t, e in self.events(job) if e.kind == "metric")
+        return first - t0, self.runs / job
+
+    def bare_run(self, i: int) -> tuple[float, Path]:
+        run_dir = self.work / f"bare-{i}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps(self.cfg))
+        env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_")}
+        t0 = time.time()
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", "-m", "trainer", "--config", str(run_dir / "config.json"),
+             "--run-dir", str(run_dir), "--data-root", str(self.data)],
+            env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        return first_metric_time(run_dir) - t0, run_dir
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--warmup", type=int, default=10)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="trainq-bench-") as tmp:
+        b = Bench(Path(tmp), a.steps)
+        try:
+            guard, torchrun = [], []
+            b.dispatch_sample()  # warm: first imports in the worker process
+            for _ in range(a.samples):
+                g, t = b.dispatch_sample()
+                guard.append(g * 1000)
+                torchrun.append(t * 1000)
+                time.sleep(0.2)  # an idle worker: nothing in flight
+            print(
+                f"submit -> guard exec     p50 {pct(guard, 0.5):6.1f} ms  "
+                f"p90 {pct(guard, 0.9):6.1f} ms  (n={len(guard)})"
+            )
+            print(
+                f"submit -> torchrun exec  p50 {pct(torchrun, 0.5):6.1f} ms  "
+                f"p90 {pct(torchrun, 0.9):6.1f} ms  (10 ms clock; goal p50 <= 50 ms)"
+            )
+
+            cfg = b.cfg
+            tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
+            first_w, first_b, tput_w, tput_b = [], [], [], []
+            for i in range(a.rounds):
+                order = ("worker", "bare") if i % 2 == 0 else ("bare", "worker")
+                for kind in order:
+                    if kind == "worker":
+                        f, d = b.worker_run()
+                        first_w.append(f)
+                        tput_w.append(throughput(d, a.warmup, tps))
+                    else:
+                        f, d = b.bare_run(i)
+                        first_b.append(f)
+                        tput_b.append(throughput(d, a.warmup, tps))
+            fw, fb = statistics.median(first_w), statistics.median(first_b)
+            tw, tb = statistics.median(tput_w), statistics.median(tput_b)
+            print(
+                f"first metric: worker {fw:.2f} s (submit -> on the wire), bare torchrun "
+                f"{fb:.2f} s (Popen -> first step); ratio {fw / fb:.3f} (goal <= 1.2)"
+            )
+            print(
+                f"throughput: worker {tw:,.0f} tok/s, bare torchrun {tb:,.0f} tok/s; "
+                f"ratio {tw / tb:.3f} (goal >= 0.98; medians of {a.rounds} rounds)"
+            )
+            print(
+                "per round (worker, bare) tok/s:",
+                ", ".join(f"({w:,.0f}, {x:,.0f})" for w, x in zip(tput_w, tput_b, strict=True)),
+            )
+        finally:
+            b.close()
+
+
+if __name__ == "__main__":
+    main()

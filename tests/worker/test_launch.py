@@ -1,0 +1,110 @@
+"""worker.launch: the torchrun argv list and the allow-listed environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.launch import build_env, build_guard_argv, build_torchrun_argv, safe_job_id
+
+
+def _argv(**kw: object) -> list[str]:
+    args: dict[str, object] = dict(
+        nnodes=1,
+        nproc_per_node=2,
+        max_restarts=1,
+        config=Path("/runs/j1/config.json"),
+        run_dir=Path("/runs/j1"),
+        data_root=Path("/data"),
+        log_dir=Path("/runs/j1/logs"),
+    )
+    args.update(kw)
+    return build_torchrun_argv("/py", **args)  # type: ignore[arg-type]
+
+
+def test_single_node_is_standalone_and_runs_the_trainer_module() -> None:
+    argv = _argv()
+    assert argv[:3] == ["/py", "-m", "torch.distributed.run"]
+    assert "--standalone" in argv
+    assert "--nnodes=1" in argv and "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
+    assert not any(a.startswith("--rdzv") for a in argv)
+    i = argv.index("trainer")
+    assert argv[i - 1] == "-m"
+    assert argv[i + 1 :] == [
+        "--config", "/runs/j1/config.json", "--run-dir", "/runs/j1", "--data-root", "/data",
+    ]  # fmt: skip
+
+
+def test_multi_node_uses_a_c10d_rendezvous() -> None:
+    argv = _argv(nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="job-7-1")
+    assert "--standalone" not in argv
+    assert "--rdzv-backend=c10d" in argv
+    assert "--rdzv-endpoint=10.0.0.1:29400" in argv and "--rdzv-id=job-7-1" in argv
+    with pytest.raises(ValueError, match="rendezvous"):
+        _argv(nnodes=2)
+
+
+def test_spec_strings_stay_single_argv_items() -> None:
+    # A hostile-looking path is one item, never split or interpreted.
+    weird = Path("/runs/a b; rm -rf ~/$(x)")
+    argv = _argv(run_dir=weird)
+    assert str(weird) in argv
+    guard = build_guard_argv("/py", argv)
+    assert guard[:3] == ["/py", "-I", "-S"] and guard[4] == "--" and guard[5:] == argv
+    assert Path(guard[3]).name == "guard.py" and Path(guard[3]).is_file()
+
+
+def test_env_is_allow_listed() -> None:
+    parent = {
+        "PATH": "/usr/bin",
+        "PYTHONPATH": "/repo",
+        "HOME": "/home/u",
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "NCCL_DEBUG": "INFO",
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "TRAINQ_BROKER_URL": "redis://secret@broker/1",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "TRAINQ_DATABASE_URL": "postgresql://u:p@db/x",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
+    env = build_env(parent, gpus=(2, 3), redis_url="redis://r/0", redis_prefix="tq",
+                    job_id="j1", attempt=3)  # fmt: skip
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["TRAINQ_REDIS_URL"] == "redis://r/0" and env["TRAINQ_REDIS_PREFIX"] == "tq"
+    assert env["TRAINQ_JOB_ID"] == "j1" and env["TRAINQ_ATTEMPT"] == "3"
+    assert env["NCCL_DEBUG"] == "INFO" and env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    for k in ("PATH", "PYTHONPATH", "HOME", "LANG", "OMP_NUM_THREADS"):
+        assert env[k] == parent[k]
+    assert "TRAINQ_BROKER_URL" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert "TRAINQ_DATABASE_URL" not in env
+    assert not any("secret" in v or "u:p@" in v for v in env.values())
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # restarts need a fresh store
+
+
+def test_cpu_slot_hides_all_gpus() -> None:
+    env = build_env({"CUDA_VISIBLE_DEVICES": "0"}, gpus=None, redis_url="r", redis_prefix="p",
+                    job_id="j", attempt=1)  # fmt: skip
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize(
+    ("job_id", "ok"),
+    [("j1", True), ("01HZX-abc_1.2", True), ("..", False), ("a/b", False), ("a..b", False),
+     (".hidden", False), ("", False), ("x" * 65, False), ("a\nb", False)],
+)  # fmt: skip
+def test_job_ids_that_cannot_leave_the_runs_root(job_id: str, ok: bool) -> None:
+    assert safe_job_id(job_id) is ok
+
+
+def test_gpus_are_dealt_to_slots_in_equal_contiguous_shares() -> None:
+    from worker.context import split_gpus
+
+    assert split_gpus(None, 2) == [None, None]
+    assert split_gpus([0, 1, 2, 3], 2) == [(0, 1), (2, 3)]
+    assert split_gpus([4, 6], 1) == [(4, 6)]
+    with pytest.raises(ValueError, match="cannot be shared equally"):
+        split_gpus([0, 1, 2], 2)
+    with pytest.raises(ValueError, match="twice"):
+        split_gpus([0, 0], 1)

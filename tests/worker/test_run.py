@@ -1,0 +1,158 @@
+"""A real worker runs real torchrun ranks: success, duplicates, cancel, deadline, bad specs."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.worker.conftest import (
+    Wire,
+    WorkerProc,
+    message,
+    new_job,
+    proc_env,
+    rank_pid,
+    run_processes,
+    tiny,
+    wait_for,
+)
+from trainer.config import TrainConfig
+
+
+def test_two_ranks_succeed_and_a_duplicate_delivery_does_nothing(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
+) -> None:
+    w = start_worker("w1", slots=2)
+    entry = wire.worker_entry("w1")
+    assert entry is not None
+    assert entry["queues"] == ["cpu"] and entry["slots"] == 2 and entry["running"] == []
+    job = new_job()
+    msg = message(job, train=tiny(steps=20))
+    wire.send(msg)
+    wire.send(msg)  # the same job + attempt again: both slots get one, one claim wins
+    wait_for(lambda: job in (wire.worker_entry("w1") or {}).get("running", []), 30,
+             "the registry to list the running job")  # fmt: skip
+    done = wire.exited(job, 1)
+    assert done == {"phase": "exited", "exit_code": 0, "reason": None, "message": "succeeded"}
+
+    events = wire.events(job)
+    worker_events = [e for e in events if e.source == "worker"]
+    assert [e.seq for e in worker_events] == list(range(1, len(worker_events) + 1))
+    phases = [e.data["phase"] for e in worker_events if e.kind == "lifecycle"]
+    assert phases == ["running", "exited"], "a duplicate delivery must add nothing"
+    running = worker_events[0].data
+    assert running["worker"] == "w1" and running["host"] and isinstance(running["pid"], int)
+    assert worker_events[-1].kind == "lifecycle"  # the log tail is flushed before the exit
+
+    steps = [m["step"] for m in wire.metrics(job)]
+    assert steps == list(range(1, 21))
+    assert all(e.source == "trainer" for e in events if e.kind == "metric")
+
+    lines = wire.log_lines(job)
+    rank0 = [ln["line"] for ln in lines if ln["rank"] == 0 and ln["stream"] == "stdout"]
+    assert any(ln.startswith("step 20/20") for ln in rank0), rank0[-5:]
+    assert any(ln.startswith("done: 20 steps") for ln in rank0)
+    assert not any("[rank" in ln["line"][:7] for ln in lines), "prefix must be parsed off"
+    assert {ln["stream"] for ln in lines} <= {"stdout", "stderr"}
+
+    run_dir = runs_root / job
+    written = TrainConfig.model_validate(json.loads((run_dir / "config.json").read_text()))
+    assert written == msg.train
+    assert (run_dir / "metrics.jsonl").is_file()
+    assert list((run_dir / "logs").rglob("stdout.log")), "torchrun's per-rank log files"
+    assert wire.r.get(wire.keys.claim(job, 1)) == b"w1"
+    assert not wire.r.exists(wire.keys.heartbeat(job, 1)), "a finished attempt drops its beat"
+    wait_for(lambda: "duplicate delivery ignored" in w.log(), 10, "the duplicate to be seen")
+    wait_for(lambda: (wire.worker_entry("w1") or {}).get("running") == [], 10,
+             "the registry to clear the job")  # fmt: skip
+    assert run_processes(run_dir) == []
+
+
+def test_bad_data_paths_and_job_ids_are_spec_errors(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
+) -> None:
+    start_worker("w1", gpus="0,1")
+    cases = {
+        "missing": "data.path 'missing': no such folder under the data root of worker w1",
+        "../../etc": "resolves outside the data root",
+    }
+    jobs = {}
+    for path in cases:
+        job = new_job()
+        jobs[path] = job
+        wire.send(message(job, procs=1, train=tiny(data={"path": path})))
+    bad_id = message("x", procs=1).model_copy(update={"job_id": ".."})
+    wire.send(bad_id)
+    for path, text in cases.items():
+        done = wire.exited(jobs[path], 1, timeout=30)
+        assert done["reason"] == "spec_error" and done["exit_code"] is None
+        assert text in done["message"]
+        # Found before launch: nothing ran, no run folder was made.
+        assert [d["phase"] for d in wire.lifecycle(jobs[path])] == ["exited"]
+        assert not (runs_root / jobs[path]).exists()
+    done = wire.exited("..", 1, timeout=30)
+    assert done["reason"] == "spec_error" and "cannot name a run folder" in done["message"]
+    job = new_job()
+    wire.send(message(job, procs=3))
+    done = wire.exited(job, 1, timeout=30)
+    assert done["reason"] == "spec_error"
+    assert done["message"] == "procs_per_node=3 but a slot of worker w1 has 2 GPU(s)"
+
+
+def test_cancel_mid_run_stops_every_process(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
+) -> None:
+    # GPU ids on a CPU host: the ranks only see CUDA_VISIBLE_DEVICES, which is the point.
+    start_worker("w1", gpus="3,5")
+    job = new_job()
+    wire.send(message(job, train=tiny(steps=100_000, checkpoint={"every": 0, "keep": 1})))
+    wait_for(lambda: len(wire.metrics(job)) >= 3, 60, "training to start")
+    run_dir = runs_root / job
+    assert len(run_processes(run_dir)) >= 3  # torchrun and two ranks
+    pid = rank_pid(run_dir, 1)
+    assert pid is not None
+    env = proc_env(pid)  # what user code actually sees: the allow-list, nothing more
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert (env["TRAINQ_JOB_ID"], env["TRAINQ_ATTEMPT"]) == (job, "1")
+    assert env["TRAINQ_REDIS_URL"] == wire.url
+    leaked = {k for k in env if k.startswith("TRAINQ_")} - {
+        "TRAINQ_REDIS_URL", "TRAINQ_REDIS_PREFIX", "TRAINQ_JOB_ID", "TRAINQ_ATTEMPT",
+    }  # fmt: skip
+    assert leaked == set(), "the broker URL and worker settings must not reach ranks"
+    t0 = time.monotonic()
+    wire.cancel(job)
+    done = wire.exited(job, 1, timeout=30)
+    assert done["reason"] == "cancelled" and done["message"] == "cancelled by request"
+    assert time.monotonic() - t0 < 15, "SIGTERM should have been enough"
+    assert run_processes(run_dir) == []
+    # SIGTERM (not SIGKILL) reached the ranks: they saved a checkpoint on the way out.
+    assert list((run_dir / "checkpoints").glob("step-*/DONE"))
+    assert not wire.r.exists(wire.keys.heartbeat(job, 1))
+
+
+def test_cancel_flag_set_before_launch(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
+) -> None:
+    start_worker("w1")
+    job = new_job()
+    wire.r.set(wire.keys.cancel(job), "1")  # no publish: the key alone is the truth
+    wire.send(message(job))
+    done = wire.exited(job, 1, timeout=30)
+    assert (done["reason"], done["exit_code"]) == ("cancelled", None)
+    assert not (runs_root / job).exists()
+
+
+def test_deadline_ends_the_run_with_timeout(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
+) -> None:
+    start_worker("w1")
+    job = new_job()
+    wire.send(message(job, max_runtime_s=8, train=tiny(steps=100_000)))
+    done = wire.exited(job, 1, timeout=60)
+    assert done["reason"] == "timeout" and "max_runtime_s=8" in done["message"]
+    assert run_processes(runs_root / job) == []
+    running_at = next(e.ts for e in wire.events(job) if e.kind == "lifecycle")
+    exited_at = [e.ts for e in wire.events(job) if e.kind == "lifecycle"][-1]
+    assert 8 <= exited_at - running_at < 8 + 15 + 5

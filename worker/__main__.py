@@ -1,0 +1,5 @@
+"""`python -m worker --queues cpu --slots 1`: the same as `trainq worker`."""
+
+from worker.cli import main
+
+main()

@@ -1,0 +1,80 @@
+"""The Celery app of a trainq worker: Redis broker on its own database, early ack, prefetch 1.
+
+Celery only carries the job message. Early ack on purpose: a redelivered message is not
+our recovery path (a lost attempt is found by its expired heartbeat and retried as a new
+attempt by the service), and the claim makes any stray redelivery a no-op anyway.
+Queues are declared explicitly, one per trainq queue, exactly as the service's
+``send_task(..., queue=name)`` creates them (direct exchange and routing key = name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery, signals
+from kombu import Exchange, Queue
+
+from worker.context import WorkerContext
+from worker.registry import Registry
+from worker.settings import WorkerSettings
+
+__all__ = ["app", "configure", "context"]
+
+app = Celery("trainq", include=["worker.tasks"])
+app.conf.update(
+    broker_url=WorkerSettings().broker_url,
+    task_acks_late=False,
+    worker_prefetch_multiplier=1,
+    task_create_missing_queues=False,
+    task_ignore_result=True,
+    result_backend=None,
+    worker_send_task_events=False,
+    worker_hijack_root_logger=True,
+    broker_connection_retry_on_startup=True,
+    # A broker blip must not cancel a run in progress (and early-acked tasks are not redone).
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+)
+
+_context: WorkerContext | None = None
+
+
+def queues_for(names: Sequence[str]) -> list[Queue]:
+    return [Queue(n, Exchange(n, type="direct"), routing_key=n) for n in names]
+
+
+def configure(ctx: WorkerContext) -> Registry:
+    """Point the app at this worker's broker and queues, and hook its lifecycle signals."""
+    global _context
+    _context = ctx
+    app.conf.update(
+        broker_url=ctx.settings.broker_url,
+        task_queues=queues_for(ctx.queues),
+        task_default_queue=ctx.queues[0],
+    )
+    registry = Registry(ctx)
+
+    def on_ready(**_: Any) -> None:
+        registry.start()
+
+    def on_shutting_down(**_: Any) -> None:
+        # Warm shutdown (SIGTERM): Celery stops taking tasks and waits for the running ones;
+        # we make those end now, checkpointed, and report them preempted.
+        ctx.shut_down()
+
+    def on_shutdown(**_: Any) -> None:
+        registry.stop()
+
+    signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
+    signals.worker_shutdown.connect(on_shutdown, weak=False)
+    return registry
+
+
+def context() -> WorkerContext:
+    """The running worker's context (built from settings if started by plain `celery`)."""
+    global _context
+    if _context is None:
+        names = [q.name for q in app.conf.task_queues or ()] or ["celery"]
+        _context = WorkerContext(WorkerSettings(), queues=names)
+    return _context

@@ -1,0 +1,56 @@
+"""Starts a worker: `trainq worker` (service/cli.py) and `python -m worker` both land here."""
+
+from __future__ import annotations
+
+import argparse
+
+from worker.context import WorkerContext
+from worker.settings import WorkerSettings
+
+__all__ = ["main", "run"]
+
+
+def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | None) -> None:
+    """Run a Celery worker for ``queues`` with ``slots`` concurrent attempts until shut down.
+
+    A threads pool: a task only waits on its torchrun, and the run's processes live in
+    their own process group, so no forked pool child is needed.
+    """
+    queues = [q.strip() for q in queues if q.strip()]
+    if not queues:
+        raise ValueError("a worker needs at least one queue")
+    from worker.celery_app import app, configure
+
+    ctx = WorkerContext(WorkerSettings(), queues=queues, slots=slots, gpus=gpus, name=hostname)
+    configure(ctx)
+    app.worker_main(
+        [
+            "worker",
+            f"--queues={','.join(queues)}",
+            f"--concurrency={slots}",
+            "--pool=threads",
+            f"--hostname=trainq@{ctx.name}",
+            "--loglevel=INFO",
+            # No broadcast chatter between workers: trainq's registry lives in Redis.
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(p) for p in text.split(",") if p.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m worker", description=run.__doc__)
+    p.add_argument("--queues", required=True, help="comma-separated queue names")
+    p.add_argument("--slots", type=int, default=1)
+    p.add_argument("--gpus", type=_ints, default=None, help="comma-separated GPU indices")
+    p.add_argument("--hostname", default=None)
+    a = p.parse_args(argv)
+    try:
+        run(a.queues.split(","), a.slots, a.gpus, a.hostname)
+    except ValueError as exc:
+        p.error(str(exc))

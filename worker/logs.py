@@ -1,0 +1,102 @@
+"""Log forwarding: torchrun's stdout and stderr, tagged with rank and stream, as log events.
+
+torchrun tees each rank's output to its own streams with a ``[rank{N}]:`` prefix
+(launch.LOG_LINE_PREFIX); lines without it are torchrun's own (rank null). Lines are
+batched into one ``log`` event per ``batch_lines`` or ``batch_s``, whichever comes first,
+and the last lines are kept for the exit message.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import deque
+from typing import IO, Any, Literal, Protocol
+
+__all__ = ["LogForwarder", "parse_line"]
+
+Stream = Literal["stdout", "stderr"]
+_PREFIX = re.compile(r"\[rank(\d+)\]:")
+MAX_LINE = 8192  # longer lines are cut: one runaway print must not make a huge event
+
+
+class _Emitter(Protocol):
+    def emit(self, kind: Any, data: dict[str, Any]) -> Any: ...
+
+
+def parse_line(raw: bytes) -> tuple[int | None, str]:
+    """(rank, text) of one line of torchrun output."""
+    text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    m = _PREFIX.match(text)
+    if m:
+        return int(m.group(1)), text[m.end() :][:MAX_LINE]
+    return None, text[:MAX_LINE]
+
+
+class LogForwarder:
+    def __init__(
+        self,
+        publisher: _Emitter,
+        *,
+        batch_lines: int = 200,
+        batch_s: float = 0.25,
+        tail_lines: int = 20,
+        agent_lines: int = 400,
+    ) -> None:
+        self._pub = publisher
+        self._batch_lines = batch_lines
+        self._batch_s = batch_s
+        self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        # torchrun's own lines (its failure summary names the failed rank's exit code).
+        self.agent: deque[str] = deque(maxlen=agent_lines)
+        self.lines = 0
+        self._readers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="log-batch", daemon=True)
+        self._ticker.start()
+
+    def attach(self, stream: IO[bytes], name: Stream) -> None:
+        t = threading.Thread(
+            target=self._read, args=(stream, name), name=f"log-{name}", daemon=True
+        )
+        t.start()
+        self._readers.append(t)
+
+    def _read(self, stream: IO[bytes], name: Stream) -> None:
+        try:
+            for raw in iter(stream.readline, b""):
+                rank, text = parse_line(raw)
+                self._add(rank, name, text)
+        except (OSError, ValueError):  # the pipe was closed under us
+            pass
+
+    def _add(self, rank: int | None, stream: Stream, text: str) -> None:
+        with self._lock:
+            self._pending.append({"rank": rank, "stream": stream, "line": text})
+            self.lines += 1
+            self.tail.append(text if rank is None else f"[rank{rank}] {text}")
+            if rank is None:
+                self.agent.append(text)
+            if len(self._pending) >= self._batch_lines:
+                self._emit_locked()
+
+    def _emit_locked(self) -> None:
+        if self._pending:
+            self._pub.emit("log", {"lines": self._pending})
+            self._pending = []
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self._batch_s):
+            with self._lock:
+                self._emit_locked()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Read to EOF (bounded: a stray process may hold a pipe), then emit what is left."""
+        for t in self._readers:
+            t.join(timeout)
+        self._stop.set()
+        self._ticker.join(timeout)
+        with self._lock:
+            self._emit_locked()

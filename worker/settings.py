@@ -1,0 +1,35 @@
+"""The worker's one settings object, read from ``TRAINQ_*`` environment variables.
+
+A worker runs user workloads on a GPU host, so it holds no database credentials: only the
+events Redis (heartbeats, cancel flags, events), the Celery broker and two folders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["WorkerSettings"]
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINQ_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"  # events, heartbeats, cancel flags, registry
+    broker_url: str = "redis://127.0.0.1:6379/1"  # Celery broker: its own database number
+    redis_prefix: str = "trainq"
+    data_root: Path = Path("data")
+    runs_root: Path = Path("runs")
+
+    heartbeat_ttl_s: float = Field(10.0, gt=0)  # refreshed every ttl/3
+    cancel_grace_s: float = Field(30.0, ge=0)  # SIGTERM, then this long, then SIGKILL
+    cancel_poll_s: float = Field(1.0, gt=0)  # the cancel key is polled; pub/sub only wakes
+    registry_interval_s: float = Field(5.0, gt=0)
+    max_restarts: int = Field(0, ge=0, le=100)  # torchrun --max-restarts per attempt
+    log_batch_lines: int = Field(200, ge=1)
+    log_batch_s: float = Field(0.25, gt=0)
+    log_tail_lines: int = Field(20, ge=1)  # last lines quoted in an exit_code message
+    flush_timeout_s: float = Field(10.0, gt=0)  # how long the exit waits for Redis
+    python: str | None = None  # interpreter for torchrun and the guard; default: ours

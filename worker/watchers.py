@@ -1,0 +1,114 @@
+"""The two background loops of a running attempt: its heartbeat, and the cancel watch.
+
+Both survive Redis being unreachable: a failed call is retried on the next round, and the
+run itself is never disturbed by it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CancelWatch", "Heartbeat"]
+
+
+class Heartbeat:
+    """SETs the attempt's heartbeat key with a TTL, refreshed every ttl/3."""
+
+    def __init__(self, client: Any, key: str, value: str, ttl_s: float) -> None:
+        self._client, self._key, self._value = client, key, value
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._every = ttl_s / 3
+        self._stop = threading.Event()
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name=f"hb-{key}", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> bool:
+        try:
+            self._client.set(self._key, self._value, px=self._ttl_ms)
+            return True
+        except Exception as exc:  # redis.ConnectionError, TimeoutError: next round retries
+            log.warning("heartbeat %s failed: %s", self._key, exc)
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self.beat()
+
+    def stop(self, *, delete: bool) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if delete:
+            try:
+                self._client.delete(self._key)
+            except Exception:
+                pass  # it expires on its own
+
+
+class CancelWatch:
+    """Sets ``requested`` once the cancel key exists. Pub/sub wakes it; the key is the truth.
+
+    Pub/sub is at most once (a message sent while we were reconnecting is gone), so the key
+    is also read every ``poll_s`` whatever the channel says.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        key: str,
+        channel: str,
+        job_id: str,
+        poll_s: float,
+        wake: threading.Event,
+    ) -> None:
+        self._client, self._key, self._channel = client, key, channel
+        self._poll_s = poll_s
+        self._wake = wake
+        self.requested = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"cancel-{job_id}", daemon=True)
+
+    def check(self) -> bool:
+        try:
+            if self._client.exists(self._key):
+                self.requested.set()
+                self._wake.set()
+        except Exception as exc:
+            log.debug("cancel check failed: %s", exc)
+        return self.requested.is_set()
+
+    def start(self) -> CancelWatch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self.requested.is_set():
+            pubsub = None
+            try:
+                pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self._channel)
+                while not self._stop.is_set():
+                    # Any message, ours or another job's, or the poll timeout: read the key.
+                    pubsub.get_message(timeout=self._poll_s)
+                    if self.check():
+                        return
+            except Exception as exc:
+                log.debug("cancel channel lost (%s); polling until it is back", exc)
+                if self.check():
+                    return
+                self._stop.wait(self._poll_s)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self._poll_s + 6)
