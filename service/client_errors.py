@@ -1,0 +1,152 @@
+"""What can go wrong talking to the trainq API, and the CLI exit code each maps to::
+
+    ClientError                 a clear one-line message and the CLI exit code it maps to
+    ├── Unreachable             the service cannot be reached (refused, DNS, timeout, cut off)
+    └── ApiError                the service answered with an error status (``status``)
+        ├── Unauthorized        401: no token, or an unknown or revoked one
+        ├── Forbidden           403
+        ├── NotFound            404: no such job (or not yours)
+        ├── Invalid             422: the message names every field path (``train.steps: ...``)
+        ├── TooLarge            413
+        └── Unavailable         503 (and other 5xx): the database or Redis is down
+
+An error answer's ``detail`` becomes the message: a 422 lists every ``field.path: message``
+(the request's ``body.`` prefix left off, so the path is the spec's own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "EXIT_CANCELLED",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_REJECTED",
+    "EXIT_TIMEOUT",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "STATUS_ERRORS",
+    "TERMINAL",
+    "ApiError",
+    "ClientError",
+    "Forbidden",
+    "Invalid",
+    "NotFound",
+    "TooLarge",
+    "Unauthorized",
+    "Unavailable",
+    "Unreachable",
+    "describe_error",
+    "exit_code_for",
+]
+
+# Exit codes of the client commands; `trainq submit --wait` gates CI on these.
+EXIT_OK = 0  # the job succeeded (or the command did what it was asked)
+EXIT_FAILED = 1  # the job failed (nan_loss, oom, exit_code, lost, spec_error, ...)
+EXIT_USAGE = 2  # bad command line or unreadable spec file (click's own code for usage)
+EXIT_CANCELLED = 3  # the job was cancelled
+EXIT_TIMEOUT = 4  # the job hit max_runtime_s, or --timeout passed while waiting
+EXIT_UNREACHABLE = 5  # the service cannot be reached, or answers 5xx/503
+EXIT_REJECTED = 6  # the API refused the request: 401, 403, 404, 409, 413, 422
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class ClientError(Exception):
+    exit_code = EXIT_REJECTED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Unreachable(ClientError):
+    exit_code = EXIT_UNREACHABLE
+
+
+class ApiError(ClientError):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Unauthorized(ApiError):
+    pass
+
+
+class Forbidden(ApiError):
+    pass
+
+
+class NotFound(ApiError):
+    pass
+
+
+class Invalid(ApiError):
+    pass
+
+
+class TooLarge(ApiError):
+    pass
+
+
+class Unavailable(ApiError):
+    exit_code = EXIT_UNREACHABLE
+
+
+def exit_code_for(status: str | None, reason: str | None) -> int:
+    """The exit code for a job that ended with ``status`` and ``reason``."""
+    if status == "succeeded":
+        return EXIT_OK
+    if status == "cancelled":
+        return EXIT_CANCELLED
+    if reason == "timeout":
+        return EXIT_TIMEOUT
+    return EXIT_FAILED
+
+
+def _field_path(loc: list[Any]) -> str:
+    # The API's loc starts with where the value came from ("body", "query", "path").
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:] or parts
+    return ".".join(parts) or "(body)"
+
+
+def describe_error(status: int, body: Any, what: str) -> str:
+    """One line for an error answer; a 422 lists ``field.path: message`` for each error."""
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if status == 422 and isinstance(detail, list):
+        items = []
+        for err in detail:
+            if isinstance(err, dict):
+                loc = err.get("loc")
+                path = _field_path(loc if isinstance(loc, list) else [])
+                items.append(f"{path}: {err.get('msg', 'invalid')}")
+        if items:
+            return "invalid " + what + ": " + "; ".join(items)
+    text = detail if isinstance(detail, str) else None
+    if status == 401:
+        hint = "set TRAINQ_TOKEN (create one with `trainq token create --name NAME`)"
+        return f"unauthorized (401): {text or 'missing or invalid token'}; {hint}"
+    if status == 403:
+        return f"forbidden (403): {text or 'this token may not do that'}"
+    if status == 404:
+        return f"not found (404): {text or what}"
+    if status == 409:
+        return f"conflict (409): {text or 'the request conflicts with an existing job'}"
+    if status == 413:
+        return f"too large (413): {text or 'the request body is over the limit'}"
+    if status >= 500:
+        return f"service unavailable ({status}): {text or 'try again shortly'}"
+    return f"HTTP {status}: {text or what}"
+
+
+STATUS_ERRORS: dict[int, type[ApiError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    413: TooLarge,
+    422: Invalid,
+}

@@ -1,0 +1,110 @@
+"""Every example spec is a valid job spec, and README's spec reference covers every field."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from service.schemas import JobSpec
+from service.up import demo_spec
+from trainer.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every field of a model as a dotted path, nested models included (train.optim.lr)."""
+    paths = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        paths.append(path)
+        ann: Any = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            paths.extend(field_paths(ann, path + "."))
+    return paths
+
+
+def test_there_are_examples() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"tiny-ddp.yaml", "tiny-fsdp.yaml", "gpu-bf16.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_validates_as_a_job_spec(path: Path) -> None:
+    spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
+    assert spec.name and spec.train.steps >= 1
+
+
+def test_the_demo_job_is_a_valid_spec_of_the_tiny_ddp_shape() -> None:
+    demo = JobSpec.model_validate(demo_spec(50))
+    tiny = JobSpec.model_validate(yaml.safe_load((REPO / "examples/tiny-ddp.yaml").read_text()))
+    assert demo.train.steps == 50 and demo.train.strategy == "ddp" and demo.procs_per_node == 2
+    assert demo.train.model == tiny.train.model and demo.queue == tiny.queue == "cpu"
+
+
+def _readme_spec_table() -> dict[str, tuple[str, str]]:
+    """README's spec reference: path -> (type and bounds, default), from rows of the form
+    ``| `train.optim.lr` | float, > 0, ≤ 10 | `0.0003` | meaning |``."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Job spec reference", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`([a-z0-9_.]+)`\s*\|([^|]*)\|([^|]*)\|", line)
+        if m:
+            rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip().strip("`"))
+    return rows
+
+
+def _leaf(path: str) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) of a dotted path in JobSpec."""
+    model: Any = JobSpec
+    info: Any = None
+    for part in path.split("."):
+        info = model.model_fields[part]
+        model = info.annotation
+    return model, info
+
+
+def _as_yaml(value: Any) -> str:
+    return (
+        {True: "true", False: "false", None: "null"}.get(value, str(value))
+        if (value is None or isinstance(value, bool))
+        else str(value)
+    )
+
+
+def test_readme_spec_reference_lists_exactly_the_model_fields() -> None:
+    assert JobSpec.model_fields["train"].annotation is TrainConfig  # so train.* is TrainConfig
+    documented = set(_readme_spec_table())
+    fields = set(field_paths(JobSpec))
+    assert fields - documented == set(), "fields missing from README's spec reference"
+    assert documented - fields == set(), "README documents fields the spec does not have"
+
+
+def test_readme_spec_reference_defaults_and_bounds_match_the_models() -> None:
+    table = _readme_spec_table()
+    for path in field_paths(JobSpec):
+        ann, info = _leaf(path)
+        kind, default = table[path]
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            assert kind.startswith("object"), path
+            continue
+        want = (
+            "required"
+            if info.is_required()
+            else _as_yaml(info.get_default(call_default_factory=True))
+        )
+        assert default == want, f"{path}: README's default is {default!r}, the model's {want!r}"
+        for meta in info.metadata:
+            for bound in ("ge", "gt", "le", "lt", "max_length"):
+                value = getattr(meta, bound, None)
+                if value is not None:
+                    assert f"{value:,}".replace(",", "_") in kind or str(value) in kind, (
+                        f"{path}: README's {kind!r} lacks the bound {bound} {value}"
+                    )
