@@ -41,21 +41,13 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
-# The API process: create_app() plus the dashboard router, in case the app does not include
-# it yet, served by a real uvicorn.
+# The API process: create_app() (which serves the dashboard too) under a real uvicorn.
 API_MAIN = """
 import sys
 import uvicorn
-from starlette.routing import NoMatchFound
-import service.dashboard
 from service.app import create_app
 
-app = create_app()
-try:
-    app.url_path_for("dashboard")
-except NoMatchFound:
-    app.include_router(service.dashboard.router)
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+uvicorn.run(create_app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
 
