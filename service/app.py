@@ -11,6 +11,7 @@ message, request validation as 422 naming the field; nothing leaks a traceback.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -26,9 +27,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from service import telemetry
-from service.auth import TokenCache
-from service.db import make_engine, make_sessionmaker
+from service import dashboard, telemetry
+from service.auth import ANONYMOUS, TokenCache
+from service.db import make_async_reader, make_engine, make_sessionmaker
 from service.deps import Services
 from service.dispatch import Dispatcher
 from service.errors import PayloadTooLarge, TrainqError
@@ -36,6 +37,7 @@ from service.ingest import Ingestor
 from service.reconcile import Reconciler
 from service.routes import health, jobs, streams, workers
 from service.settings import Settings
+from service.sse import StreamHub
 from trainer.events import Keys
 
 __all__ = ["app", "build_services", "create_app"]
@@ -61,16 +63,28 @@ class EdgeMiddleware:
     one is counted as it arrives and refused (PayloadTooLarge, a 413) once it passes.
     """
 
-    def __init__(self, app: ASGIApp, max_body: int, observe: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body: int,
+        observe: Callable[..., None],
+        fast_get: FastJobGet | None = None,
+    ) -> None:
         self.app = app
         self.max_body = max_body
         self.observe = observe
+        self.fast_get = fast_get
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        if self.fast_get is not None and scope["method"] == "GET":
+            status = await self.fast_get(scope, receive, send)
+            if status:
+                self.observe("GET", FastJobGet.PATH, status, time.perf_counter() - start)
+                return
         limit = self.max_body
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -106,6 +120,42 @@ class EdgeMiddleware:
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")
             self.observe(scope["method"], path, status, time.perf_counter() - start)
+
+
+class FastJobGet:
+    """``GET /v1/jobs/{id}`` answered without FastAPI's routing and dependency solving: the
+    hot read of every client's polling loop. Only the plain case is taken here (a well-formed
+    id, a cached token or auth off, PostgreSQL, the job found); anything else (bad input, an
+    unknown token, a 404, the database away) returns 0 having sent nothing, and the request
+    goes through the routed ``get_job``, which answers it (and documents it in OpenAPI). The
+    answer is built by the same function the route uses, so the two cannot differ."""
+
+    PATH = "/v1/jobs/{job_id}"
+    _ID = re.compile(r"/v1/jobs/([0-9a-f]{1,32})")
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+        services = self.services
+        match = self._ID.fullmatch(scope["path"])
+        if match is None or services.areader is None:
+            return 0
+        principal = ANONYMOUS
+        if services.settings.auth_enabled:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            try:
+                principal = services.tokens.resolve_cached(
+                    header.decode("latin-1") if header is not None else None
+                )
+            except (LookupError, TrainqError):
+                return 0
+        try:
+            response = await jobs.get_job_answer(services, principal, match.group(1))
+        except Exception:  # NotFound, an outage: the routed path answers it properly
+            return 0
+        await response(scope, receive, send)
+        return response.status_code
 
 
 async def _send_413(send: Send, limit: int) -> None:
@@ -177,10 +227,16 @@ def build_services(settings: Settings) -> Services:
         settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
     )
     # Followers block in XREAD for up to a ping interval; the socket must wait longer.
-    follow = redis.asyncio.Redis.from_url(
-        settings.redis_url,
-        socket_timeout=settings.sse_ping_s + timeout,
-        socket_connect_timeout=timeout,
+    # One connection per followed job (its fan-out), not per follower; followers' short
+    # backlog reads wait for a free one (a burst of connects) instead of failing at the bound.
+    follow = redis.asyncio.Redis(
+        connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+            settings.redis_url,
+            socket_timeout=settings.sse_ping_s + timeout,
+            socket_connect_timeout=timeout,
+            max_connections=settings.sse_redis_connections,
+            timeout=timeout,
+        )
     )
     return Services(
         settings=settings,
@@ -189,6 +245,8 @@ def build_services(settings: Settings) -> Services:
         reader=reader,
         redis=sync,
         aredis=follow,
+        areader=make_async_reader(settings),
+        hub=StreamHub(follow, ping_s=settings.sse_ping_s, queue_size=settings.sse_queue_size),
         dispatcher=Dispatcher(settings),
         tokens=TokenCache(reader.connect, settings.token_cache_s),
         keys=Keys(settings.redis_prefix),
@@ -221,10 +279,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             for t in threads:
                 t.join(timeout=settings.ingest_block_ms / 1000 + 5)
             services.dispatcher.close()
+            await services.hub.close()
             await services.aredis.aclose()
+            await services.aredis.connection_pool.disconnect()
             services.redis.close()
             services.engine.dispose()
             services.reader.dispose()
+            if services.areader is not None:
+                services.areader.close()
 
     app = FastAPI(
         title="trainq",
@@ -240,7 +302,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(streams.router)
     app.include_router(workers.router)
     app.include_router(health.router)
-    app.add_middleware(EdgeMiddleware, max_body=settings.max_body_bytes, observe=observe)
+    app.include_router(dashboard.router)
+    app.add_middleware(
+        EdgeMiddleware,
+        max_body=settings.max_body_bytes,
+        observe=observe,
+        fast_get=FastJobGet(services),
+    )
 
     def openapi() -> dict[str, Any]:
         # The submit route reads its body by hand (JSON or YAML); its schema is added here.

@@ -9,17 +9,32 @@ import binascii
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, insert, select
+from sqlalchemy import (
+    Connection,
+    Float,
+    Integer,
+    bindparam,
+    false,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+)
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.types import TypeEngine
 
 from service.auth import Principal
+from service.db import AsyncReader, pg_sql
 from service.errors import Conflict, InvalidInput
 from service.models import ATTEMPTS, JOBS, LOGS, METRICS, new_job_id, utcnow
 from service.schemas import JobSpec
 
 __all__ = [
+    "aget_job_with_attempts",
+    "aqueue_position",
     "attempts_of",
     "create_job",
     "decode_cursor",
@@ -27,6 +42,7 @@ __all__ = [
     "get_job",
     "list_jobs",
     "log_chunks",
+    "metric_points",
     "metric_rows",
     "queue_position",
 ]
@@ -42,11 +58,25 @@ _INSERT_JOB = insert(JOBS)
 _INSERT_ATTEMPT = insert(ATTEMPTS)
 
 
+_NEW_JOB = (
+    insert(JOBS)
+    .values({c.name: bindparam(c.name, type_=c.type) for c in JOBS.c})
+    .returning(JOBS.c.id, JOBS.c.created_at)
+    .cte("new_job")
+)
+_INSERT_JOB_AND_ATTEMPT = insert(ATTEMPTS).from_select(
+    ["job_id", "number", "status", "free", "created_at"],
+    select(_NEW_JOB.c.id, literal(1), literal("dispatched"), false(), _NEW_JOB.c.created_at),
+)
+
+
 def create_job(
-    session: Session, principal: Principal, spec: JobSpec, idempotency_key: str | None
+    session: Session | Connection, principal: Principal, spec: JobSpec, idempotency_key: str | None
 ) -> tuple[dict[str, Any], bool]:
     """Insert a queued job and its first attempt; (row, created). The same idempotency key
-    with the same spec returns the existing job, with another spec raises Conflict."""
+    with the same spec returns the existing job, with another spec raises Conflict. On
+    PostgreSQL ``session`` may be an autocommit Connection (a data-modifying CTE then inserts
+    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs."""
     spec_hash = spec.spec_hash()
     now = utcnow()
     row: dict[str, Any] = {
@@ -75,19 +105,24 @@ def create_job(
         "last_metrics": None,
     }
     try:
-        with session.begin():
-            # Parameters apart from the statement: the compiled INSERT comes from the cache.
-            session.execute(_INSERT_JOB, row)
-            session.execute(
-                _INSERT_ATTEMPT,
-                {
-                    "job_id": row["id"],
-                    "number": 1,
-                    "status": "dispatched",
-                    "free": False,
-                    "created_at": now,
-                },
-            )
+        if isinstance(session, Connection):
+            # An autocommit PostgreSQL connection: the job and its attempt in one atomic
+            # statement, one round trip (instead of BEGIN, two INSERTs, COMMIT).
+            session.execute(_INSERT_JOB_AND_ATTEMPT, row)
+        else:
+            with session.begin():
+                # Parameters apart from the statement: the compiled INSERT is cached.
+                session.execute(_INSERT_JOB, row)
+                session.execute(
+                    _INSERT_ATTEMPT,
+                    {
+                        "job_id": row["id"],
+                        "number": 1,
+                        "status": "dispatched",
+                        "free": False,
+                        "created_at": now,
+                    },
+                )
         return row, True
     except IntegrityError:
         if idempotency_key is None:
@@ -160,7 +195,10 @@ def get_job_with_attempts(
         result = session.execute(
             _OWN_JOB_WITH_ATTEMPTS, {"job_id": job_id, "owner": principal.name}
         )
-    rows = list(result.mappings())
+    return _split_attempts(list(result.mappings()))
+
+
+def _split_attempts(rows: list[Any]) -> tuple[Any, list[dict[str, Any]]]:
     if not rows:
         return None, []
     attempts = [
@@ -169,6 +207,40 @@ def get_job_with_attempts(
         if r["a_number"] is not None
     ]
     return rows[0], attempts
+
+
+# The same reads as text for the event-loop reader on PostgreSQL (compiled once, here).
+_SQL_JOB_WITH_ATTEMPTS = pg_sql(_JOB_WITH_ATTEMPTS)
+_SQL_OWN_JOB_WITH_ATTEMPTS = pg_sql(_OWN_JOB_WITH_ATTEMPTS)
+_SQL_QUEUE_POSITION = pg_sql(
+    select(func.count())
+    .select_from(JOBS)
+    .where(
+        JOBS.c.queue == bindparam("queue"),
+        JOBS.c.status == bindparam("status"),
+        JOBS.c.id < bindparam("job_id"),
+    )
+)
+
+
+async def aget_job_with_attempts(
+    reader: AsyncReader, principal: Principal, job_id: str
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """``get_job_with_attempts`` on the event loop (PostgreSQL)."""
+    if principal.admin:
+        rows = await reader.fetch(_SQL_JOB_WITH_ATTEMPTS, {"job_id": job_id})
+    else:
+        rows = await reader.fetch(
+            _SQL_OWN_JOB_WITH_ATTEMPTS, {"job_id": job_id, "owner": principal.name}
+        )
+    return _split_attempts(rows)
+
+
+async def aqueue_position(reader: AsyncReader, queue: str, job_id: str) -> int:
+    rows = await reader.fetch(
+        _SQL_QUEUE_POSITION, {"queue": queue, "status": "queued", "job_id": job_id}
+    )
+    return int(next(iter(rows[0].values()))) + 1
 
 
 def job_exists(session: Reader, principal: Principal, job_id: str) -> bool:
@@ -244,6 +316,49 @@ def metric_rows(session: Reader, job_id: str, since_step: int | None) -> list[Ro
     if since_step is not None:
         stmt = stmt.where(METRICS.c.step >= since_step)
     return list(session.execute(stmt.order_by(METRICS.c.step, METRICS.c.attempt)).mappings())
+
+
+# Latest attempt per step, then evenly spaced picks, in SQL: only the picked rows (and their
+# JSON) leave the database. Row i of n is kept when floor(i*(m-1)/(n-1)) first takes a new
+# value, which picks exactly m rows including the first (i = 0) and the last (i = n-1);
+# integer division is the same on PostgreSQL and SQLite. The index (job_id, step, attempt)
+# serves both windows' order.
+_METRIC_POINTS = """
+WITH dedup AS (
+  SELECT id, step, row_number() OVER (PARTITION BY step ORDER BY attempt DESC) AS dup
+  FROM metrics WHERE job_id = :job {since}
+), ranked AS (
+  SELECT id, step, row_number() OVER (ORDER BY step) - 1 AS i, count(*) OVER () AS n
+  FROM dedup WHERE dup = 1
+)
+SELECT m.attempt, m.step, m.ts, m.data, r.n FROM ranked r JOIN metrics m ON m.id = r.id
+WHERE r.n <= :m OR r.i = r.n - 1 OR (:m > 1 AND (r.i = 0 OR
+      (r.i * (:m - 1)) / (r.n - 1) > ((r.i - 1) * (:m - 1)) / (r.n - 1)))
+ORDER BY r.step
+"""
+_COLUMNS: dict[str, TypeEngine[Any]] = {
+    "attempt": Integer(),
+    "step": Integer(),
+    "ts": Float(),
+    "data": METRICS.c.data.type,
+    "n": Integer(),
+}
+_METRIC_POINTS_ALL = text(_METRIC_POINTS.format(since="")).columns(**_COLUMNS)
+_METRIC_POINTS_SINCE = text(_METRIC_POINTS.format(since="AND step >= :since")).columns(**_COLUMNS)
+
+
+def metric_points(
+    session: Reader, job_id: str, since_step: int | None, max_points: int
+) -> tuple[list[RowMapping], int]:
+    """A job's metric points by step (a resumed attempt's point wins for a step), at most
+    ``max_points`` evenly spaced ones keeping the first and the last; (rows, total)."""
+    params: dict[str, Any] = {"job": job_id, "m": max_points}
+    if since_step is None:
+        stmt = _METRIC_POINTS_ALL
+    else:
+        stmt, params["since"] = _METRIC_POINTS_SINCE, since_step
+    rows = list(session.execute(stmt, params).mappings())
+    return rows, (int(rows[0]["n"]) if rows else 0)
 
 
 def log_chunks(

@@ -6,6 +6,11 @@ unless the server closed it or sent its goodbye, so a readable socket means "dis
 connect anew". That keeps the API recovering by itself after an outage at no cost per
 request; ``TRAINQ_DB_PRE_PING`` adds SQLAlchemy's full ping (one more round trip) on top.
 
+On PostgreSQL the hot GET routes read through ``AsyncReader``: autocommit psycopg
+``AsyncConnection``s used straight from the event loop (no thread-pool hop, no SQLAlchemy
+execution layer; statements are compiled once by SQLAlchemy and prepared by psycopg), with
+the same readable-socket check at checkout.
+
 SQLite is the embedded store: WAL so readers never block the one writer, a busy timeout so a
 second writer waits instead of failing, and foreign keys on (SQLite leaves them off unless
 asked on every connection).
@@ -13,17 +18,29 @@ asked on every connection).
 
 from __future__ import annotations
 
+import asyncio
 import select
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, exc
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import ClauseElement
 
 from service.settings import Settings
 
-__all__ = ["ensure_sqlite_dir", "is_sqlite", "make_engine", "make_sessionmaker"]
+__all__ = [
+    "AsyncReader",
+    "ensure_sqlite_dir",
+    "is_sqlite",
+    "make_async_reader",
+    "make_engine",
+    "make_sessionmaker",
+    "pg_sql",
+]
 
 
 def is_sqlite(url: str) -> bool:
@@ -88,3 +105,116 @@ def _discard_if_closed_by_server(dbapi_conn: Any, _record: Any, _proxy: Any) -> 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     # Objects stay readable after commit: routes build the response from them afterwards.
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def pg_sql(stmt: ClauseElement) -> str:
+    """A Core statement as PostgreSQL text with ``%(name)s`` parameters (compile once)."""
+    return str(stmt.compile(dialect=postgresql.psycopg.dialect()))
+
+
+class _LoopPool:
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int) -> None:
+        self.loop = loop
+        self.idle: list[Any] = []
+        self.slots = asyncio.Semaphore(size)
+
+
+class AsyncReader:
+    """A small pool of autocommit psycopg ``AsyncConnection``s for reads on the event loop.
+
+    Connections belong to the event loop that opened them (a test may run the app on more
+    than one loop in turn); a failure to connect or a broken connection is raised as
+    SQLAlchemy's ``OperationalError``, so the app's handler answers 503 as for the engine.
+    """
+
+    def __init__(self, url: str, *, size: int, timeout_s: float) -> None:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        self._psycopg = psycopg
+        self._row_factory = dict_row
+        self.conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
+        self.size = size
+        self.timeout_s = timeout_s
+        self._pools: dict[int, _LoopPool] = {}
+
+    def _pool(self) -> _LoopPool:
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(id(loop))
+        if pool is None or pool.loop is not loop:
+            for key, old in list(self._pools.items()):
+                if old.loop.is_closed():
+                    self._finish(old.idle)
+                    del self._pools[key]
+            pool = self._pools[id(loop)] = _LoopPool(loop, self.size)
+        return pool
+
+    @staticmethod
+    def _finish(conns: list[Any]) -> None:
+        for conn in conns:
+            conn.pgconn.finish()  # synchronous, and what AsyncConnection.close() does
+        conns.clear()
+
+    def _take(self, pool: _LoopPool) -> Any:
+        while pool.idle:
+            conn = pool.idle.pop()
+            try:
+                readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+            except (OSError, ValueError, self._psycopg.Error):
+                readable = [True]
+            if not readable and not conn.closed:
+                return conn
+            conn.pgconn.finish()  # the server closed it (restart, failover): connect anew
+        return None
+
+    async def fetch(self, sql: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Rows of one statement, as dicts by column label; one round trip."""
+        psycopg = self._psycopg
+        pool = self._pool()
+        # All in use: wait, but not forever (a timer costs, so only here).
+        if pool.slots.locked():
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await pool.slots.acquire()
+            except TimeoutError as err:
+                raise exc.TimeoutError("no database connection free in time") from err
+        else:
+            await pool.slots.acquire()
+        conn = None
+        try:
+            conn = self._take(pool)
+            if conn is None:
+                async with asyncio.timeout(self.timeout_s):
+                    conn = await psycopg.AsyncConnection.connect(
+                        self.conninfo,
+                        autocommit=True,
+                        row_factory=self._row_factory,
+                        connect_timeout=max(1, int(self.timeout_s)),
+                    )
+            cur = await conn.execute(sql, params)
+            rows: list[dict[str, Any]] = await cur.fetchall()
+        except BaseException as err:
+            if conn is not None:
+                conn.pgconn.finish()  # its state is unknown: never reuse it
+            if isinstance(err, psycopg.OperationalError | psycopg.InterfaceError | TimeoutError):
+                raise exc.OperationalError(sql, dict(params), err) from err
+            raise
+        else:
+            pool.idle.append(conn)
+            return rows
+        finally:
+            pool.slots.release()
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            self._finish(pool.idle)
+        self._pools.clear()
+
+
+def make_async_reader(settings: Settings) -> AsyncReader | None:
+    """The event-loop reader on PostgreSQL; None elsewhere (SQLite reads stay on threads)."""
+    if make_url(settings.database_url).get_backend_name() != "postgresql":
+        return None
+    return AsyncReader(
+        settings.database_url, size=settings.db_pool_size, timeout_s=settings.db_timeout_s
+    )

@@ -20,8 +20,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from service.auth import ANONYMOUS, Principal, TokenCache
+from service.db import AsyncReader
 from service.dispatch import Dispatcher
 from service.settings import Settings
+from service.sse import StreamHub
 from trainer.events import Keys
 
 __all__ = ["PrincipalDep", "Services", "ServicesDep", "get_principal", "get_services"]
@@ -34,7 +36,9 @@ class Services:
     sessions: sessionmaker[Session]
     reader: Engine  # autocommit Core connections: a read is one round trip, no ORM on the way
     redis: Any  # redis.Redis: short commands from sync routes and the background loops
-    aredis: Any  # redis.asyncio.Redis: blocking XREADs of SSE and log followers
+    aredis: Any  # redis.asyncio.Redis: the fan-outs' blocking XREADs, followers' backlogs
+    hub: StreamHub  # one reader per followed job stream in this process
+    areader: AsyncReader | None  # PostgreSQL reads on the event loop (None on SQLite)
     dispatcher: Dispatcher
     tokens: TokenCache
     keys: Keys
@@ -47,7 +51,17 @@ class Services:
         fetched_at, cached = self._workers
         if now - fetched_at < max_age_s:
             return cached
-        raw = self.redis.hgetall(self.keys.workers)
+        return self._parse_workers(self.redis.hgetall(self.keys.workers), now)
+
+    async def alive_workers(self, max_age_s: float = 1.0) -> list[dict[str, Any]]:
+        """``live_workers`` from the event loop (the follow client's pool)."""
+        now = time.time()
+        fetched_at, cached = self._workers
+        if now - fetched_at < max_age_s:
+            return cached
+        return self._parse_workers(await self.aredis.hgetall(self.keys.workers), now)
+
+    def _parse_workers(self, raw: dict[Any, Any], now: float) -> list[dict[str, Any]]:
         workers = []
         for name, value in raw.items():
             try:

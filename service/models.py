@@ -157,7 +157,11 @@ class Metric(Base):
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
 
     # A resumed attempt reports steps again; the unique key makes a replay a no-op.
-    __table_args__ = (UniqueConstraint("job_id", "attempt", "step"),)
+    # The second serves the downsampled history, which reads in step order.
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "step"),
+        Index("ix_metrics_job_id_step_attempt", "job_id", "step", "attempt"),
+    )
 
 
 class LogChunk(Base):

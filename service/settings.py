@@ -36,8 +36,10 @@ class Settings(BaseSettings):
     token_cache_s: float = Field(5.0, ge=0)  # a revoked token stops working within this
 
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
-    db_pool_size: int = Field(10, ge=1)
-    db_max_overflow: int = Field(20, ge=0)
+    # Kept open: a connection past the pool size is opened and closed per request (a
+    # PostgreSQL backend started each time), so the pool covers a busy worker's concurrency.
+    db_pool_size: int = Field(20, ge=1)
+    db_max_overflow: int = Field(10, ge=0)
     db_timeout_s: float = Field(5.0, gt=0)  # pool checkout and SQLite busy timeout
     # A full SELECT ping per checkout; off by default, as service.db already discards
     # connections the server closed without a round trip (see its docstring).
@@ -60,6 +62,10 @@ class Settings(BaseSettings):
 
     job_stream_maxlen: int = Field(10_000, ge=10)
     sse_ping_s: float = Field(15.0, gt=0)
+    # Events queued for one SSE follower before it counts as too slow and is dropped (it
+    # resumes with Last-Event-ID); and the follow Redis pool's size (one per followed job).
+    sse_queue_size: int = Field(1024, ge=1)
+    sse_redis_connections: int = Field(1000, ge=2)
     log_line_max_chars: int = Field(8192, ge=80)
     log_chunk_max_lines: int = Field(1000, ge=1)
 

@@ -19,7 +19,7 @@ from service.models import JOBS
 from service.routes import errors
 from service.routes.jobs import JobId
 from service.schemas import METRIC_FIELDS, MetricPoint, MetricsOut
-from service.sse import StreamReader, follow_logs, format_log_line, is_entry_id, sse_events
+from service.sse import follow_logs, format_log_line, is_entry_id, sse_events
 
 __all__ = ["downsample", "router"]
 
@@ -74,11 +74,7 @@ def job_metrics(
     with services.reader.connect() as session:
         if not crud.job_exists(session, principal, job_id):
             raise NotFound(f"job {job_id} not found")
-        rows = crud.metric_rows(session, job_id, since_step)
-    by_step: dict[int, Any] = {}
-    for r in rows:  # ordered by (step, attempt): the latest attempt's point wins
-        by_step[r["step"]] = r
-    points = downsample(list(by_step.values()), max_points)
+        points, total = crud.metric_points(session, job_id, since_step, max_points)
     if format == "csv":
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
@@ -96,8 +92,8 @@ def job_metrics(
         return Response(buf.getvalue(), media_type="text/csv")
     out = MetricsOut(
         job_id=job_id,
-        total=len(by_step),
-        downsampled=len(points) < len(by_step),
+        total=total,
+        downsampled=len(points) < total,
         points=[
             MetricPoint.model_validate(
                 {**r["data"], "step": r["step"], "attempt": r["attempt"], "ts": r["ts"]}
@@ -164,19 +160,14 @@ async def job_logs(
     )
     if not follow:
         return Response("".join(lines), media_type="text/plain; charset=utf-8")
-    reader = StreamReader(
-        services.aredis,
-        services.keys.job(job_id),
-        "0-0",
-        ping_s=services.settings.sse_ping_s,
-        job_status=_status_reader(services, job_id),
+    follower = await services.hub.follow(
+        services.keys.job(job_id), "0-0", _status_reader(services, job_id)
     )
-    await reader.open()
 
     async def body() -> Any:
         if lines:
             yield "".join(lines).encode()
-        async for chunk in follow_logs(reader, seen, rank):
+        async for chunk in follow_logs(follower, seen, rank):
             yield chunk
 
     return StreamingResponse(body(), media_type="text/plain; charset=utf-8", headers=STREAM_HEADERS)
@@ -202,14 +193,9 @@ async def job_events(
     """Server-Sent Events of a job; the id is the Redis entry id, so Last-Event-ID resumes."""
     await run_in_threadpool(_require, services, principal, job_id)
     cursor = last_event_id if last_event_id and is_entry_id(last_event_id) else "0-0"
-    reader = StreamReader(
-        services.aredis,
-        services.keys.job(job_id),
-        cursor,
-        ping_s=services.settings.sse_ping_s,
-        job_status=_status_reader(services, job_id),
+    follower = await services.hub.follow(
+        services.keys.job(job_id), cursor, _status_reader(services, job_id)
     )
-    await reader.open()
     return StreamingResponse(
-        sse_events(reader), media_type="text/event-stream", headers=STREAM_HEADERS
+        sse_events(follower), media_type="text/event-stream", headers=STREAM_HEADERS
     )

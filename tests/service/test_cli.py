@@ -38,7 +38,7 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 def test_db_upgrade_token_lifecycle(cli_env: dict[str, str], redis_url: str) -> None:
     up = _trainq(cli_env, "db", "upgrade")
     assert up.returncode == 0, up.stderr
-    assert up.stdout.strip().endswith("revision 0001")
+    assert up.stdout.strip().endswith("revision 0002")
 
     made = _trainq(cli_env, "token", "create", "--name", "ci")
     assert made.returncode == 0, made.stderr

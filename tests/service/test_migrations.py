@@ -37,7 +37,7 @@ def _tables(url: str) -> set[str]:
 
 def _round_trip(url: str) -> None:
     migrate.upgrade(url)
-    assert migrate.current(url) == "0001"
+    assert migrate.current(url) == "0002"
     assert _tables(url) == set(Base.metadata.tables)
     assert migrate.drift(url) == []
     migrate.downgrade(url, "base")

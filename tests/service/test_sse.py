@@ -11,6 +11,7 @@ import httpx
 
 from service.app import create_app
 from tests.service.support import Api, Uvicorn, WorkerSim, make_tokens
+from trainer.events import Event
 
 
 def _parse(lines: list[str]) -> list[dict[str, Any]]:
@@ -136,3 +137,89 @@ def test_logs_follow_streams_until_the_end(
         assert done.wait(15), got
         t.join(5)
     assert got == ["[rank 0] before", "[rank 1] during", "[rank 0] more"]
+
+
+async def _follow_many(
+    url: str,
+    headers: dict[str, str],
+    n: int,
+    publish: Callable[[], None],
+    late: Callable[[], dict[str, str]],
+) -> tuple[list[int], list[list[str]], list[str]]:
+    """``n`` followers at once; once all have their headers, ``publish`` runs (in a thread)
+    and a late follower joins with the Last-Event-ID ``late`` gives. Events ids each saw."""
+    import asyncio
+
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        ready = asyncio.Semaphore(0)
+        statuses: list[int] = []
+
+        async def one(extra: dict[str, str], signal: bool) -> list[str]:
+            ids: list[str] = []
+            async with client.stream("GET", url, headers={**headers, **extra}) as resp:
+                statuses.append(resp.status_code)
+                if signal:
+                    ready.release()
+                async for line in resp.aiter_lines():
+                    if line.startswith("id: "):
+                        ids.append(line[4:])
+            return ids
+
+        tasks = [asyncio.create_task(one({}, True)) for _ in range(n)]
+        for _ in range(n):
+            await asyncio.wait_for(ready.acquire(), 30)
+        await asyncio.to_thread(publish)
+        resumer = asyncio.create_task(one(await asyncio.to_thread(late), False))
+        got = await asyncio.wait_for(asyncio.gather(*tasks, resumer), 60)
+    return statuses, list(got[:-1]), got[-1]
+
+
+def test_sse_more_followers_than_the_redis_pool_all_get_every_event(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    """120 followers of one job over a real uvicorn: redis-py's asyncio pool allows 100
+    connections by default, and each follower used to hold one; now one reader fans out.
+    A follower resuming mid-stream with Last-Event-ID gets the rest without gap or repeat."""
+    import asyncio
+
+    app = create_app(
+        make_settings(
+            redis_prefix=api.settings.redis_prefix,
+            ingest=True,
+            ingest_block_ms=100,
+            sse_redis_connections=100,
+            # A loaded machine must not time out the shared reader's socket mid-test.
+            redis_timeout_s=5.0,
+        )
+    )
+    make_tokens(app.state.services)
+    job = api.submit()
+    w = sim(job["id"])
+    key = api.keys.job(job["id"])
+    r = api.services.redis
+
+    def publish() -> None:
+        w.running()
+        for step in range(1, 4):
+            w.metric(step)
+
+    def late() -> dict[str, str]:
+        first = r.xrange(key, count=2)[-1][0].decode()  # after the second entry
+        for step in range(4, 7):
+            w.metric(step)
+        w.exited(0)
+        return {"Last-Event-ID": first}
+
+    with Uvicorn(app) as server:
+        url = f"{server.url}/v1/jobs/{job['id']}/events"
+        statuses, seen, resumed = asyncio.run(_follow_many(url, api.headers(), 120, publish, late))
+
+    entries = r.xrange(key)
+    ids = [e[0].decode() for e in entries]
+    last = Event.from_fields(entries[-1][1])
+    assert last.kind == "status" and last.data["status"] == "succeeded"
+    assert statuses == [200] * 121
+    assert len(ids) >= 9  # running, 6 metrics, exited, and the service's status events
+    assert all(got == ids for got in seen), [len(g) for g in seen]
+    assert resumed == ids[2:]
