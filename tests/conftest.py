@@ -73,13 +73,31 @@ class RedisDBs:
 
     def claim(self) -> int:
         for n in range(2, 16):
-            if self._admin.set(f"trainq-test:db:{n}", self._token, nx=True, ex=4 * 3600):
+            key = f"trainq-test:db:{n}"
+            self._release_if_dead(key)
+            if self._admin.set(key, self._token, nx=True, ex=4 * 3600):
                 self.claimed.append(n)
                 import redis
 
                 redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
                 return n
         raise RuntimeError("no free Redis database number (2..15) for this test session")
+
+    def _release_if_dead(self, key: str) -> None:
+        """A claim whose test session died (killed, timed out) is freed at once, not in 4 h."""
+        owner = self._admin.get(key)
+        if owner is None:
+            return
+        pid = owner.decode().split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            # Delete only if it still holds that dead owner's token.
+            self._admin.eval(
+                "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) "
+                "end return 0",
+                1,
+                key,
+                owner,
+            )
 
     def url(self, n: int) -> str:
         return f"redis://{REDIS_HOST}:{REDIS_PORT}/{n}"
