@@ -169,7 +169,8 @@ class Publisher:
     Events are appended to ``{prefix}:events`` and to the job's own stream in one MULTI, in
     the order they were emitted. While Redis is unreachable they are kept (up to
     ``max_buffer``; past that the oldest metric events are dropped first, with a warning)
-    and sent in order when it returns. ``close()`` flushes what it can within a timeout.
+    and sent in order when it returns. Events emitted within ``linger_s`` of the first waiting
+    one share a round trip. ``close()`` flushes what it can within a timeout.
     """
 
     def __init__(
@@ -184,6 +185,7 @@ class Publisher:
         events_maxlen: int = 1_000_000,
         max_buffer: int = 200_000,
         retry_s: float = 0.5,
+        linger_s: float = 0.05,
     ) -> None:
         self.keys = Keys(prefix)
         self.job_id = job_id
@@ -194,6 +196,7 @@ class Publisher:
         self._events_maxlen = events_maxlen
         self._max_buffer = max_buffer
         self._retry_s = retry_s
+        self._linger_s = linger_s
         self._queue: deque[Event] = deque()
         self._cond = threading.Condition()
         self._seq = 0
@@ -254,6 +257,14 @@ class Publisher:
                     self._cond.wait()
                 if not self._queue and self._closing:
                     return
+                # Linger briefly so a fast producer (a step every few ms) shares one round
+                # trip among many events: per-event MULTIs cost the training ranks CPU.
+                linger_until = time.monotonic() + self._linger_s
+                while len(self._queue) < 256 and not self._closing:
+                    left = linger_until - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 batch = [self._queue[i] for i in range(min(len(self._queue), 256))]
             try:
                 self._send(batch)
