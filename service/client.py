@@ -10,6 +10,7 @@ client commands start fast on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -226,16 +227,8 @@ class Client:
             params["tail"] = tail
         # No read timeout: a quiet job sends nothing for as long as it is quiet.
         timeout = httpx.Timeout(10.0, read=None)
-        try:
-            with self._http.stream(
-                "GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._check(response, f"job {job_id}")
-                yield from response.iter_text()
-        except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
+        with self._stream(job_id, "logs", params=params, timeout=timeout) as response:
+            yield from response.iter_text()
 
     def workers(self) -> dict[str, Any]:
         result: dict[str, Any] = self._json("GET", "/v1/workers", "workers")
@@ -258,14 +251,18 @@ class Client:
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
         timeout = httpx.Timeout(10.0, read=read_timeout)
+        with self._stream(job_id, "events", headers=headers, timeout=timeout) as response:
+            yield from parse_sse(response.iter_lines())
+
+    @contextlib.contextmanager
+    def _stream(self, job_id: str, what: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        """A streamed GET of /v1/jobs/{id}/{what}: errors checked first, drops as Unreachable."""
         try:
-            with self._http.stream(
-                "GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=timeout
-            ) as response:
+            with self._http.stream("GET", f"/v1/jobs/{job_id}/{what}", **kwargs) as response:
                 if response.status_code >= 400:
                     response.read()
                     self._check(response, f"job {job_id}")
-                yield from parse_sse(response.iter_lines())
+                yield response
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
 
