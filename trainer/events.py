@@ -169,8 +169,11 @@ class Publisher:
     Events are appended to ``{prefix}:events`` and to the job's own stream in one MULTI, in
     the order they were emitted. While Redis is unreachable they are kept (up to
     ``max_buffer``; past that the oldest metric events are dropped first, with a warning)
-    and sent in order when it returns. Events emitted within ``linger_s`` of the first waiting
-    one share a round trip. ``close()`` flushes what it can within a timeout.
+    and sent in order when it returns. An event that follows a quiet spell goes out at once;
+    a steady stream (a metric every few ms) is coalesced into at most one round trip per
+    ``min_interval_s``, and ``emit()`` wakes the sender only when it has work to start, so
+    reporting costs the training loop almost no CPU or GIL time. ``close()`` flushes what it
+    can within a timeout.
     """
 
     def __init__(
@@ -185,7 +188,8 @@ class Publisher:
         events_maxlen: int = 1_000_000,
         max_buffer: int = 200_000,
         retry_s: float = 0.5,
-        linger_s: float = 0.05,
+        min_interval_s: float = 0.2,
+        batch_max: int = 256,
     ) -> None:
         self.keys = Keys(prefix)
         self.job_id = job_id
@@ -196,7 +200,10 @@ class Publisher:
         self._events_maxlen = events_maxlen
         self._max_buffer = max_buffer
         self._retry_s = retry_s
-        self._linger_s = linger_s
+        self._min_interval_s = min_interval_s
+        self._batch_max = batch_max
+        self._last_send = -1e9
+        self._flushers = 0
         self._queue: deque[Event] = deque()
         self._cond = threading.Condition()
         self._seq = 0
@@ -212,9 +219,13 @@ class Publisher:
             self._seq += 1
             event = Event(kind, self.job_id, self.attempt, self.source, self._seq, data)
             self._queue.append(event)
-            if len(self._queue) > self._max_buffer:
+            n = len(self._queue)
+            if n > self._max_buffer:
                 self._drop_one()
-            self._cond.notify()
+            # The sender sleeps on an empty queue or until its interval ends; wake it only for
+            # the first waiting event or a full batch, not for every step.
+            if n == 1 or n == self._batch_max:
+                self._cond.notify()
         return event
 
     def _drop_one(self) -> None:
@@ -257,15 +268,16 @@ class Publisher:
                     self._cond.wait()
                 if not self._queue and self._closing:
                     return
-                # Linger briefly so a fast producer (a step every few ms) shares one round
-                # trip among many events: per-event MULTIs cost the training ranks CPU.
-                linger_until = time.monotonic() + self._linger_s
-                while len(self._queue) < 256 and not self._closing:
-                    left = linger_until - time.monotonic()
+                # At most one round trip per interval: a fast producer (a step every few ms)
+                # shares it among many events, while a lone event is sent at once.
+                send_at = self._last_send + self._min_interval_s
+                while len(self._queue) < self._batch_max and not (self._closing or self._flushers):
+                    left = send_at - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
-                batch = [self._queue[i] for i in range(min(len(self._queue), 256))]
+                batch = [self._queue[i] for i in range(min(len(self._queue), self._batch_max))]
+                self._last_send = time.monotonic()
             try:
                 self._send(batch)
             except Exception as exc:  # redis.ConnectionError, TimeoutError, ...: keep and retry
@@ -292,11 +304,16 @@ class Publisher:
         """Wait until everything emitted so far is sent; False if the timeout passed first."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._queue:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.1))
+            self._flushers += 1  # the sender skips its interval while someone waits here
+            self._cond.notify_all()
+            try:
+                while self._queue:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.1))
+            finally:
+                self._flushers -= 1
         return True
 
     def close(self, timeout: float = 10.0) -> bool:
