@@ -223,9 +223,10 @@ class Publisher:
             if n > self._max_buffer:
                 self._drop_one()
             # The sender sleeps on an empty queue or until its interval ends; wake it only for
-            # the first waiting event or a full batch, not for every step.
+            # the first waiting event or a full batch, not for every step. notify_all: a
+            # flush() waiter shares the condition, and a lone notify() could wake it instead.
             if n == 1 or n == self._batch_max:
-                self._cond.notify()
+                self._cond.notify_all()
         return event
 
     def _drop_one(self) -> None:
