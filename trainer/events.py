@@ -209,6 +209,7 @@ class Publisher:
         self._seq = 0
         self._closing = False
         self._client: Any = None
+        self._link_down = False  # the last send failed; cleared by the next one that works
         self.sent = 0
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name=f"publish-{source}", daemon=True)
@@ -239,6 +240,11 @@ class Publisher:
         self.dropped += 1
         if self.dropped in (1, 100, 10_000):
             log.warning("event buffer full while Redis is unreachable; dropped %d", self.dropped)
+
+    @property
+    def link_down(self) -> bool:
+        """The last send failed (Redis unreachable); False again after the next one works."""
+        return self._link_down
 
     def pending(self) -> int:
         with self._cond:
@@ -285,6 +291,7 @@ class Publisher:
                 log.debug("publish failed (%s); retrying", exc)
                 self._client = None
                 with self._cond:
+                    self._link_down = True
                     give_up = self._give_up_at
                     if self._closing and give_up is not None and time.monotonic() >= give_up:
                         return
@@ -297,6 +304,7 @@ class Publisher:
                 while self._queue and id(self._queue[0]) in sent_ids:
                     self._queue.popleft()
                 self.sent += len(batch)
+                self._link_down = False
                 self._cond.notify_all()
 
     _give_up_at: float | None = None

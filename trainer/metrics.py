@@ -147,6 +147,18 @@ class MetricsLogger:
                 if key not in ("step", "steps", "time") and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, record["step"])
 
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Put every record logged so far on the wire (bounded; at once while Redis is down).
+
+        Called before a checkpoint: a run killed after it keeps every step's metric up to the
+        checkpointed step, so the attempt that resumes from it leaves no gap behind.
+        """
+        if self._publisher is None:
+            return True
+        if self._publisher.link_down:  # an outage must not stall training; all is kept
+            return False
+        return self._publisher.flush(timeout)
+
     def close(self, timeout: float = 2.0) -> None:
         """Flush Redis within ``timeout`` (bounded: an unreachable Redis costs at most that)."""
         if self._publisher is not None:

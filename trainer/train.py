@@ -161,6 +161,7 @@ def _run(
     every = cfg.checkpoint.every
 
     def save(progress: Progress) -> None:
+        metrics.flush()  # the metrics up to a checkpointed step are on the wire before it is
         save_checkpoint(
             run_dir,
             progress,
