@@ -269,6 +269,14 @@ class Publisher:
         pipe.execute()
 
     def _run(self) -> None:
+        # Connect before the first event: a run's first metric then costs one round trip,
+        # not the import of redis and a TCP connect while the user waits for it.
+        try:
+            self._connect().ping()
+        except Exception as exc:  # unreachable now: the first send retries
+            log.debug("publisher could not connect yet (%s)", exc)
+            self._client = None
+            self._link_down = True
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
