@@ -7,6 +7,7 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from trainer.env import TrainerEnv
@@ -56,3 +57,24 @@ def test_flush_does_not_wait_on_an_unreachable_redis(tmp_path: Path) -> None:
     finally:
         logger.close(timeout=0.1)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def _scalars(tb_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_tensorboard_curves_match_metrics_jsonl(single_run: Path) -> None:
+    """The reference run (tensorboard installed) left curves that TensorBoard itself reads
+    back: every logged step's loss, as in metrics.jsonl (float32 in the event file)."""
+    from tests.trainer import runs
+
+    losses = runs.losses(single_run)
+    curve = _scalars(single_run / "tb", "loss")
+    assert sorted(curve) == sorted(losses)
+    for step, loss in losses.items():
+        assert curve[step] == pytest.approx(loss, rel=1e-6)
+    assert set(_scalars(single_run / "tb", "tokens_per_s")) == set(losses)
