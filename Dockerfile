@@ -24,7 +24,7 @@ COPY service ./service
 COPY worker ./worker
 COPY trainer ./trainer
 COPY migrations ./migrations
-RUN pip install . && rm -rf build ./*.egg-info
+RUN pip install ".[tb]" && rm -rf build ./*.egg-info
 
 # Never root: a worker runs user training code.
 RUN useradd --create-home --uid 10001 trainq \
