@@ -2,7 +2,8 @@
 
 `init_distributed` turns the torchrun environment (read by `trainer.env.read_env`) into a
 device and a process group: gloo on CPU, nccl on CUDA with the rank's own device. The
-``apply_*`` functions wrap a built, initialized model; `maybe_no_sync` is how gradient
+``apply_*`` functions wrap a built model (FSDP's is built on the meta device and
+materialized after sharding, torchtitan's order); `maybe_no_sync` is how gradient
 accumulation skips the gradient reduction on all but the last micro-step.
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,6 +33,7 @@ __all__ = [
     "clip_grad_norm",
     "destroy_distributed",
     "init_distributed",
+    "materialize_fsdp",
     "maybe_no_sync",
     "unwrap",
 ]
@@ -94,6 +98,16 @@ def apply_fsdp(model: GPT, param_dtype: torch.dtype | None = None) -> GPT:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def materialize_fsdp(model: GPT, device: torch.device, full_state: dict[str, Any] | None) -> None:
+    """Allocate this rank's shards of a model built on the meta device and sharded by
+    `apply_fsdp`, then fill them from rank 0's full state dict (``full_state``; None on the
+    other ranks), broadcast shard by shard. No rank but 0 ever holds the whole model, and
+    rank 0 holds it on the CPU only: a model need not fit on one device to start."""
+    model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state or {}, options=options)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -34,6 +34,7 @@ from trainer.parallelize import (
     clip_grad_norm,
     destroy_distributed,
     init_distributed,
+    materialize_fsdp,
     maybe_no_sync,
 )
 
@@ -124,19 +125,23 @@ def _run(
     metrics: MetricsLogger,
 ) -> int:
     world, B, accum = env.world_size, cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps
-    # Build with the same seed on every rank: one process, DDP and FSDP start identical.
-    torch.manual_seed(cfg.seed)
-    gpt = GPT(cfg.model).to(device)
-    gpt.init_weights()
+    # Weights are drawn from one seed on the CPU (rank 0's for FSDP): one process, DDP and
+    # FSDP start identical. FSDP: build on meta, shard, then materialize the shards.
+    fsdp = env.distributed and cfg.strategy == "fsdp"
+    gpt = _on_meta(cfg) if fsdp else _seeded_model(cfg).to(device)
     flops_per_token, n_params = gpt.flops_per_token(), gpt.num_params()
     if cfg.compile:
         apply_compile(gpt)
     half = _DTYPES.get(cfg.precision)
     model: nn.Module = gpt
-    if env.distributed and cfg.strategy == "fsdp":
+    if fsdp:
         model = apply_fsdp(gpt, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+        full = _seeded_model(cfg).state_dict() if env.is_main else None
+        materialize_fsdp(gpt, device, full)
+        del full
     elif env.distributed:
         model = apply_ddp(gpt, device)
+    torch.manual_seed(cfg.seed)  # every rank's generator in the same state, whoever drew
     strategy = cfg.strategy if env.distributed else "single"
     optimizer = build_optimizer(gpt, cfg.optim)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -220,6 +225,19 @@ def _run(
             return _preempted(env, run_dir, done)
     _say(env, f"done: {progress.step} steps, {progress.tokens_seen:,} tokens")
     return ExitCode.OK
+
+
+def _on_meta(cfg: TrainConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(cfg.model)
+
+
+def _seeded_model(cfg: TrainConfig) -> GPT:
+    """The model on the CPU with its weights drawn from ``cfg.seed``."""
+    torch.manual_seed(cfg.seed)
+    gpt = GPT(cfg.model)
+    gpt.init_weights()
+    return gpt
 
 
 @torch.no_grad()
