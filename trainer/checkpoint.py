@@ -2,7 +2,7 @@
 
 Layout under ``RUN_DIR/checkpoints/``::
 
-    step-N/meta.json        step, tokens seen, next data step, strategy, world size (rank 0)
+    step-N/meta.json        step, tokens seen, strategy, world size, model config (rank 0)
     step-N/model.pt         DDP / one process: full model + optimizer state (rank 0)
     step-N/dcp/             FSDP: sharded model + optimizer (torch.distributed.checkpoint)
     step-N/scaler.pt        GradScaler state when fp16 (rank 0)
@@ -104,8 +104,12 @@ def save_checkpoint(
     rank: int,
     world_size: int,
     keep: int,
+    model_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Save collectively (every rank calls this at the same step); returns the final path."""
+    """Save collectively (every rank calls this at the same step); returns the final path.
+
+    ``model_config`` goes into meta.json, so a checkpoint alone says what model it holds
+    (what `trainer.export` builds to read it)."""
     root = run_dir / "checkpoints"
     tmp = root / f"tmp-step-{progress.step}"
     final = root / f"step-{progress.step}"
@@ -129,6 +133,8 @@ def save_checkpoint(
             "world_size": world_size,
             "time": time.time(),
         }
+        if model_config is not None:
+            meta["model"] = model_config
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     barrier()  # every rank's files are in tmp before it becomes a checkpoint
     if rank == 0:

@@ -177,6 +177,7 @@ def _run(
             rank=env.rank,
             world_size=world,
             keep=cfg.checkpoint.keep,
+            model_config=cfg.model.model_dump(),
         )
 
     model.train()

@@ -1,0 +1,123 @@
+"""trainer.export: a checkpoint of any strategy becomes an ONNX or torch.export file whose
+logits are the trained model's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer import runs
+from trainer.config import TrainConfig
+from trainer.data import BatchSampler, TokenDataset
+from trainer.export import ExportError, load_model
+
+
+def _val_loss(model: torch.nn.Module, cfg: TrainConfig, data_root: Path, world: int) -> float:
+    """The trainer's eval, by hand: the same val batches of every rank, averaged."""
+    data = TokenDataset(data_root / cfg.data.path, "val", cfg.model.seq_len)
+    micro = cfg.batch.micro_batch_size
+    losses = []
+    with torch.no_grad():
+        for rank in range(world):
+            sampler = BatchSampler(data, micro, 1, rank, world, cfg.seed)
+            losses += [float(model(*sampler.batch(i, 0))) for i in range(cfg.eval.steps)]
+    return float(np.mean(losses))
+
+
+@pytest.mark.parametrize(
+    "fixture, cfg, world",
+    [
+        ("single_run", runs.golden_config(), 1),
+        ("ddp_run", runs.config(), 2),
+        ("fsdp_run", runs.fsdp_config(), 2),
+    ],
+)
+def test_loaded_weights_are_the_trained_ones(
+    fixture: str,
+    cfg: dict[str, object],
+    world: int,
+    data_root: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """The model read from the last checkpoint (FSDP's sharded one gathered into one
+    process) gives the val loss the run itself logged at that step."""
+    run_dir: Path = request.getfixturevalue(fixture)
+    model, step = load_model(run_dir)
+    logged = {m["step"]: m.get("val_loss") for m in runs.metrics(run_dir)}
+    assert step == 20 and logged[step] is not None
+    ours = _val_loss(model, TrainConfig.model_validate(cfg), data_root, world)
+    assert ours == pytest.approx(logged[step], rel=1e-5)
+
+
+def _export(run_dir: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.export", "--run-dir", str(run_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=runs.REPO,
+    )
+
+
+@pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
+def test_export_reproduces_the_logits(fsdp_run: Path, tmp_path: Path, suffix: str) -> None:
+    out = tmp_path / f"model{suffix}"
+    done = _export(fsdp_run, out)
+    assert done.returncode == 0, done.stderr
+    assert f"exported step 20 of {fsdp_run}" in done.stdout
+    model, _ = load_model(fsdp_run)
+    # Another batch size and length than the export traced: both dims are dynamic.
+    tokens = torch.randint(
+        0, model.cfg.vocab_size, (5, 11), generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        expected = model(tokens)
+    if suffix == ".pt2":
+        got = torch.export.load(out).module()(tokens)
+    else:
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(session.run(["logits"], {"tokens": tokens.numpy()})[0])
+    assert got.shape == (5, 11, model.cfg.vocab_size)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_a_run_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    done = _export(tmp_path / "run", tmp_path / "m.onnx")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"trainer.export: error: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}"
+    ]
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        load_model(tmp_path / "run")
+
+
+def test_an_old_checkpoint_takes_its_model_from_the_run_config(
+    ddp_run: Path, tmp_path: Path
+) -> None:
+    """Checkpoints written before meta.json named the model: config.json beside them."""
+    import shutil
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
+    for meta_path in run_dir.glob("checkpoints/step-*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        del meta["model"]
+        meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match="pass --config"):
+        load_model(run_dir)
+    (run_dir / "config.json").write_text(json.dumps(runs.config()))
+    model, _ = load_model(run_dir)
+    reference, _ = load_model(ddp_run)
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

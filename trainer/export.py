@@ -1,0 +1,161 @@
+"""Export a run's trained model for inference: ONNX, or a torch.export program (.pt2).
+
+    python -m trainer.export --run-dir RUN --out model.onnx [--format onnx|pt2]
+                             [--checkpoint RUN/checkpoints/step-N] [--config run.yaml]
+
+The weights come from the run's newest complete checkpoint (or ``--checkpoint``), whatever
+strategy wrote it: one process and DDP save a full state dict, FSDP a sharded
+``torch.distributed.checkpoint``, which is read here into one process without a process
+group. The model's shape comes from the checkpoint's meta.json (``--config`` or the run's
+config.json for checkpoints written before it carried one). The exported graph maps token
+ids ``tokens`` [batch, seq] (int64, seq <= model.seq_len) to ``logits`` [batch, seq, vocab],
+with batch and sequence length dynamic. Before returning, the file is loaded back (ONNX
+Runtime for .onnx, when installed) and its logits compared with the checkpointed model's.
+
+TorchScript is not offered: ``torch.jit`` is deprecated in the torch this targets, and
+torch.export is its successor. ONNX needs the ``export`` extra (onnx, onnxscript).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from trainer.checkpoint import latest_checkpoint
+from trainer.config import ConfigError, ModelConfig, load_config
+from trainer.model import GPT
+
+__all__ = ["ExportError", "export", "load_model"]
+
+Format = Literal["onnx", "pt2"]
+FORMATS: dict[str, Format] = {".onnx": "onnx", ".pt2": "pt2"}
+
+
+class ExportError(Exception):
+    """Nothing to export, or an export that does not reproduce the model; one line."""
+
+
+def _model_config(checkpoint: Path, meta: dict[str, Any], config: Path | None) -> ModelConfig:
+    if config is not None:
+        return load_config(config).model
+    if "model" in meta:
+        return ModelConfig.model_validate(meta["model"])
+    fallback = checkpoint.parent.parent / "config.json"
+    if fallback.is_file():
+        return load_config(fallback).model
+    raise ExportError(f"{checkpoint}/meta.json names no model and there is no {fallback}: "
+                      "pass --config")  # fmt: skip
+
+
+def load_model(
+    run_dir: Path, checkpoint: Path | None = None, config: Path | None = None
+) -> tuple[GPT, int]:
+    """The checkpointed GPT on the CPU in eval mode, and its step."""
+    path = checkpoint or latest_checkpoint(run_dir)
+    if path is None:
+        raise ExportError(f"no complete checkpoint in {run_dir / 'checkpoints'}")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path} is not a checkpoint: {exc}") from exc
+    model = GPT(_model_config(path, meta, config))
+    try:
+        if meta["strategy"] == "fsdp":
+            import torch.distributed.checkpoint as dcp
+
+            # The tied head is the embedding: DCP stores it once, under wte.
+            state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+            with warnings.catch_warnings():  # it warns of no process group even when asked
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.load({"model": state}, checkpoint_id=path / "dcp", no_dist=True)
+            model.load_state_dict(state, strict=False)
+        else:
+            saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+            model.load_state_dict(saved["model"])
+    except (RuntimeError, KeyError, ValueError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"checkpoint {path} does not fit its model config: {first}") from exc
+    return model.eval(), int(meta["step"])
+
+
+def _sample(cfg: ModelConfig, batch: int, seq: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, cfg.vocab_size, (batch, min(seq, cfg.seq_len)), generator=gen)
+
+
+def export(model: GPT, out: Path, fmt: Format) -> float:
+    """Write ``out``; the largest absolute logit difference of the file against ``model``
+    on a batch of another shape than the one traced (so the dynamic dims are exercised)."""
+    from torch.export import Dim
+
+    cfg = model.cfg
+    example = _sample(cfg, 2, cfg.seq_len)
+    dims = {0: Dim("batch", min=1, max=4096), 1: Dim("seq", min=2, max=cfg.seq_len)}
+    check = _sample(cfg, 3, max(2, cfg.seq_len // 2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        expected = model(check)
+        if fmt == "pt2":
+            program = torch.export.export(model, (example,), dynamic_shapes=(dims,))
+            torch.export.save(program, out)
+            got = torch.export.load(out).module()(check)
+        else:
+            if importlib.util.find_spec("onnxscript") is None:
+                raise ExportError("ONNX export needs onnx and onnxscript: pip install '.[export]'")
+            torch.onnx.export(
+                model,
+                (example,),
+                str(out),
+                dynamo=True,
+                dynamic_shapes=(dims,),
+                input_names=["tokens"],
+                output_names=["logits"],
+                verbose=False,
+            )
+            if importlib.util.find_spec("onnxruntime") is None:
+                return float("nan")  # written, not checked
+            import onnxruntime
+
+            session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+            got = torch.from_numpy(session.run(None, {"tokens": check.numpy()})[0])
+    return float((got - expected).abs().max())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.export", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="the file to write (.onnx or .pt2)")
+    p.add_argument("--format", choices=("onnx", "pt2"), help="default: from --out's suffix")
+    p.add_argument("--checkpoint", type=Path, help="default: the newest complete one")
+    p.add_argument("--config", type=Path, help="the run's config (for old checkpoints)")
+    p.add_argument("--atol", type=float, default=1e-4, help="largest logit difference allowed")
+    args = p.parse_args(argv)
+    fmt = args.format or FORMATS.get(args.out.suffix.lower())
+    if fmt is None:
+        p.error(f"--out {args.out}: name it .onnx or .pt2, or pass --format")
+    try:
+        model, step = load_model(args.run_dir, args.checkpoint, args.config)
+        diff = export(model, args.out, fmt)
+    except (ExportError, ConfigError) as exc:
+        print(f"trainer.export: error: {exc}", file=sys.stderr)
+        return 1
+    if diff > args.atol:  # NaN (unchecked) compares False
+        print(f"trainer.export: error: {args.out} differs from the model by {diff:.2e} "
+              f"(> --atol {args.atol})", file=sys.stderr)  # fmt: skip
+        return 1
+    checked = "not checked (no onnxruntime)" if diff != diff else f"max |logit diff| {diff:.1e}"
+    print(f"exported step {step} of {args.run_dir} to {args.out} ({fmt}); {checked}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
