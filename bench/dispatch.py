@@ -18,7 +18,10 @@ service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``
    HTTP API: this measures the worker's share (Celery, claim, launch, log/metric path).
 3. training throughput, worker vs bare torchrun, same config, 2 ranks, ``--rounds`` rounds
    in alternating order; tokens/s over the steps after the first ``--warmup`` from each run's
-   metrics.jsonl ``time`` stamps. Goal: ratio >= 0.98.
+   metrics.jsonl ``time`` stamps. Goal: ratio >= 0.98. Beside it, the CPU per step of the
+   ranks and of everything else the worker path runs (torchrun and the guard, the worker,
+   redis-server), sampled from /proc: on a shared 2-core machine wall-clock throughput
+   moves by several percent between runs, CPU time far less.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -91,6 +95,59 @@ def find_torchrun(run_dir: Path) -> int | None:
             if needle in cmd and b"torch.distributed.run" in cmd and b"guard.py" not in cmd:
                 return int(e)
     return None
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of one process, in seconds (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class RunCPU:
+    """CPU seconds of a run's processes, by role, sampled from /proc every 20 ms while it
+    runs (what a process spends after its last sample, a few ms, is missed on both sides).
+
+    ranks: the trainer processes; launch: torchrun and the guard. With ``extra`` pids
+    (the worker, redis-server), their CPU over the same span is counted as ``worker``.
+    """
+
+    def __init__(self, run_dir: Path, extra: dict[str, int] | None = None) -> None:
+        self.needle = str(run_dir).encode()
+        self.extra = extra or {}
+        self.start = {name: cpu_s(pid) for name, pid in self.extra.items()}
+        self.seen: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            for e in os.listdir("/proc"):
+                if not e.isdigit():
+                    continue
+                try:
+                    cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if self.needle not in cmd:
+                    continue
+                role = "launch" if b"torch.distributed.run" in cmd or b"guard" in cmd else "ranks"
+                cpu = cpu_s(int(e))
+                if cpu:
+                    self.seen[int(e)] = (role, cpu)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        out = {"ranks": 0.0, "launch": 0.0}
+        for role, cpu in self.seen.values():
+            out[role] += cpu
+        for name, pid in self.extra.items():
+            out[name] = cpu_s(pid) - self.start[name]
+        return out
 
 
 def start_time(pid: int, boot: float) -> float:
@@ -157,8 +214,10 @@ class Bench:
         except redis.ConnectionError:
             return False
 
-    def submit(self, procs: int, train: dict[str, Any], **kw: Any) -> tuple[str, float]:
-        job = f"b{uuid.uuid4().hex[:10]}"
+    def submit(
+        self, procs: int, train: dict[str, Any], job: str | None = None, **kw: Any
+    ) -> tuple[str, float]:
+        job = job or f"b{uuid.uuid4().hex[:10]}"
         msg = JobMessage.model_validate(
             {"job_id": job, "attempt": 1, "queue": "cpu", "procs_per_node": procs,
              "train": train, **kw}
@@ -205,18 +264,21 @@ class Bench:
         return running - t0, t_torchrun - t0
 
     # --- 2 and 3 ----------------------------------------------------------------------------
-    def worker_run(self) -> tuple[float, Path]:
-        job, t0 = self.submit(2, self.cfg)
+    def worker_run(self) -> tuple[float, Path, dict[str, float]]:
+        job = f"b{uuid.uuid4().hex[:10]}"
+        cpu = RunCPU(self.runs / job, {"worker": self.worker.pid, "redis": self.redis_proc.pid})
+        job, t0 = self.submit(2, self.cfg, job=job)
         done = self.exited(job)
         assert done["reason"] is None, done
         first = next(t for t, e in self.events(job) if e.kind == "metric")
-        return first - t0, self.runs / job
+        return first - t0, self.runs / job, cpu.stop()
 
-    def bare_run(self, i: int) -> tuple[float, Path]:
+    def bare_run(self, i: int) -> tuple[float, Path, dict[str, float]]:
         run_dir = self.work / f"bare-{i}"
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(self.cfg))
         env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_")}
+        cpu = RunCPU(run_dir)
         t0 = time.time()
         subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -224,7 +286,7 @@ class Bench:
              "--run-dir", str(run_dir), "--data-root", str(self.data)],
             env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        return first_metric_time(run_dir) - t0, run_dir
+        return first_metric_time(run_dir) - t0, run_dir, cpu.stop()
 
 
 def main() -> None:
@@ -256,17 +318,21 @@ def main() -> None:
             cfg = b.cfg
             tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
             first_w, first_b, tput_w, tput_b = [], [], [], []
+            cpu_w: list[dict[str, float]] = []
+            cpu_b: list[dict[str, float]] = []
             for i in range(a.rounds):
                 order = ("worker", "bare") if i % 2 == 0 else ("bare", "worker")
                 for kind in order:
                     if kind == "worker":
-                        f, d = b.worker_run()
+                        f, d, c = b.worker_run()
                         first_w.append(f)
                         tput_w.append(throughput(d, a.warmup, tps))
+                        cpu_w.append(c)
                     else:
-                        f, d = b.bare_run(i)
+                        f, d, c = b.bare_run(i)
                         first_b.append(f)
                         tput_b.append(throughput(d, a.warmup, tps))
+                        cpu_b.append(c)
             fw, fb = statistics.median(first_w), statistics.median(first_b)
             tw, tb = statistics.median(tput_w), statistics.median(tput_b)
             print(
@@ -276,6 +342,19 @@ def main() -> None:
             print(
                 f"throughput: worker {tw:,.0f} tok/s, bare torchrun {tb:,.0f} tok/s; "
                 f"ratio {tw / tb:.3f} (goal >= 0.98; medians of {a.rounds} rounds)"
+            )
+
+            def per_step(runs: list[dict[str, float]], role: str) -> float:
+                return 1000 * statistics.median(r.get(role, 0.0) for r in runs) / a.steps
+
+            rw, rb = per_step(cpu_w, "ranks"), per_step(cpu_b, "ranks")
+            print(
+                f"CPU per step (medians; noise-robust where wall time is not): ranks "
+                f"worker {rw:.2f} ms, bare {rb:.2f} ms, ratio {rw / rb:.3f}; beside the ranks: "
+                f"torchrun+guard worker {per_step(cpu_w, 'launch'):.2f} ms, bare "
+                f"{per_step(cpu_b, 'launch'):.2f} ms; worker process "
+                f"{per_step(cpu_w, 'worker'):.2f} ms; redis-server "
+                f"{per_step(cpu_w, 'redis'):.2f} ms"
             )
             print(
                 "per round (worker, bare) tok/s:",
