@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import Any
 
 from tests.worker.conftest import (
@@ -99,3 +99,30 @@ def test_an_incomplete_gang_starts_nothing_and_fails_with_no_worker(
         assert d["message"].startswith("gang of 3 nodes incomplete after 3 s: 2 joined ("), d
         assert "node 0 on w" in d["message"] and "node 1 on w" in d["message"]
     assert run_processes(runs_root / job) == []
+
+
+def test_a_node_waiting_for_its_gang_is_woken_by_cancel_and_by_shutdown(
+    start_worker: Callable[..., WorkerProc], wire: Wire
+) -> None:
+    w1 = start_worker("w1", gang_timeout_s=300)
+    w2 = start_worker("w2", gang_timeout_s=300)
+    cancelled, preempted = new_job(), new_job()
+    wire.send(message(cancelled, procs=1, nodes=2, node_rank=0))
+    wait_for(lambda: wire.r.hget(wire.keys.gang(cancelled, 1), "joined") == b"1", 30, "a join")
+    wire.send(message(preempted, procs=1, nodes=2, node_rank=1))
+    wait_for(lambda: wire.r.hget(wire.keys.gang(preempted, 1), "joined") == b"1", 30, "a join")
+
+    wire.cancel(cancelled)
+    done = node_exits(wire, cancelled, 1, timeout=15)[0]
+    assert (done["reason"], done["message"]) == ("cancelled", "cancelled before launch")
+    # It left its gang closed behind it, so a node that comes later does not wait for it.
+    closed = wire.r.hget(wire.keys.gang(cancelled, 1), "closed").decode()
+    assert closed.startswith("node 0 on worker w") and "cancelled before launch" in closed
+
+    holder = wire.r.hget(wire.keys.gang(preempted, 1), "node:1").decode()
+    started = time.monotonic()
+    {"w1": w1, "w2": w2}[holder].stop()  # SIGTERM: Celery's warm shutdown
+    done = node_exits(wire, preempted, 1, timeout=15)[1]
+    assert time.monotonic() - started < 30, "a warm shutdown does not wait out the gang"
+    assert done["reason"] == "preempted" and "shutting down" in done["message"], done
+    assert b"did not start: preempted" in wire.r.hget(wire.keys.gang(preempted, 1), "closed")
