@@ -18,6 +18,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     select,
     text,
 )
@@ -31,6 +32,7 @@ from service.db import AsyncReader, pg_sql
 from service.errors import Conflict, InvalidInput
 from service.models import ATTEMPTS, JOBS, LOGS, METRICS, new_job_id, utcnow
 from service.schemas import JobSpec
+from trainer.events import NODE_SEQ_SHIFT
 
 __all__ = [
     "aget_job_with_attempts",
@@ -374,11 +376,13 @@ def log_chunks(
     return iter(session.execute(stmt.order_by(*order)).mappings())
 
 
-def log_marks(session: Reader, job_id: str) -> dict[int, int]:
-    """The last log seq stored per attempt: where a follower of the live stream takes over."""
+def log_marks(session: Reader, job_id: str) -> dict[tuple[int, int], int]:
+    """The last log seq stored per (attempt, node): where a follower of the live stream takes
+    over. Each node of a multi-node attempt numbers its events in its own range."""
+    node = LOGS.c.seq // literal_column(str(1 << NODE_SEQ_SHIFT))  # the same text twice
     rows = session.execute(
-        select(LOGS.c.attempt, func.max(LOGS.c.seq))
+        select(LOGS.c.attempt, node, func.max(LOGS.c.seq))
         .where(LOGS.c.job_id == job_id)
-        .group_by(LOGS.c.attempt)
+        .group_by(LOGS.c.attempt, node)
     )
-    return {int(a): int(seq) for a, seq in rows}
+    return {(int(a), int(n)): int(seq) for a, n, seq in rows}

@@ -4,6 +4,10 @@ A job row is committed first and sent second. If sending fails (broker down), th
 stays ``dispatched`` with ``sent_at`` null and the reconciler sends it later; a duplicate
 send is harmless because the worker claims each attempt with ``SET NX``. After a failure,
 requests skip sending for ``dispatch_backoff_s`` so a dead broker does not slow every POST.
+
+A job of N nodes is sent as N messages per attempt, one per ``node_rank``; the attempt
+counts as sent once all N are, and a resend sends all N again (each node claims its own
+``(job, attempt, node)``, so the nodes that already run ignore theirs).
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ class Dispatcher:
                 queue=message.queue,
                 retry=False,
                 # Celery would saferepr() the whole spec for these headers: a third of a send.
-                argsrepr=f"(job {message.job_id} attempt {message.attempt})",
+                argsrepr=(
+                    f"(job {message.job_id} attempt {message.attempt} node {message.node_rank})"
+                ),
                 kwargsrepr="{}",
             )
         except Exception as exc:  # kombu OperationalError, redis errors, OSError
@@ -84,6 +90,10 @@ class Dispatcher:
         self._failed_at = 0.0
         return True
 
+    def send_attempt(self, row: Mapping[Any, Any], attempt: int) -> bool:
+        """Send one attempt of a job row: a message per node; False at the first refused."""
+        return all(self.send(job_message(row, attempt, n)) for n in range(int(row["nodes"])))
+
     def close(self) -> None:
         with self._lock:
             if self._celery is not None:
@@ -91,8 +101,8 @@ class Dispatcher:
                 self._celery = None
 
 
-def job_message(row: Mapping[Any, Any], attempt: int) -> JobMessage:
-    """The frozen message of one attempt, from a job row (a mapping of its columns)."""
+def job_message(row: Mapping[Any, Any], attempt: int, node_rank: int = 0) -> JobMessage:
+    """The frozen message of one node of one attempt, from a job row (its columns)."""
     return JobMessage.model_validate(
         {
             "job_id": row["id"],
@@ -100,6 +110,7 @@ def job_message(row: Mapping[Any, Any], attempt: int) -> JobMessage:
             "queue": row["queue"],
             "nodes": row["nodes"],
             "procs_per_node": row["procs_per_node"],
+            "node_rank": node_rank,
             "max_runtime_s": row["max_runtime_s"],
             "train": row["train"],
         }
@@ -135,7 +146,7 @@ def dispatch_attempts(
         row = rows.get(job_id)
         if row is None or row.status != "queued" or row.attempt != number:
             continue  # cancelled or moved on since the caller decided to send
-        if dispatcher.send(job_message(row._mapping, number)):
+        if dispatcher.send_attempt(row._mapping, number):
             sent.append((job_id, number))
         else:
             break  # the broker is down: the reconciler sends the rest later

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.dispatch import Dispatcher, dispatch_attempts
 from service.models import JOBS, LOGS, METRICS
-from service.notify import publish_status
+from service.notify import publish_status, signal_stop
 from service.schemas import METRIC_FIELDS
 from service.settings import Settings
 from service.state import Outcome, attempt_exited, attempt_running
@@ -71,13 +71,15 @@ def clean_log_lines(data: dict[str, Any], max_lines: int, max_chars: int) -> lis
         text = item.get("line")
         if not isinstance(text, str):
             continue
-        out.append(
-            {
-                "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-                "stream": "stderr" if item.get("stream") == "stderr" else "stdout",
-                "line": text if len(text) <= max_chars else text[:max_chars] + "…",
-            }
-        )
+        line = {
+            "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+            "stream": "stderr" if item.get("stream") == "stderr" else "stdout",
+            "line": text if len(text) <= max_chars else text[:max_chars] + "…",
+        }
+        node = item.get("node")  # multi-node attempts only
+        if isinstance(node, int) and not isinstance(node, bool):
+            line["node"] = node
+        out.append(line)
     return out
 
 
@@ -196,6 +198,7 @@ class Ingestor:
         publish_status(
             self.redis, self.keys, outcome.changes, maxlen=self.settings.job_stream_maxlen
         )
+        signal_stop(self.redis, self.keys, outcome.to_stop)
         if outcome.to_send:
             dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
         self.redis.xack(self.keys.events, self.group, *ids)
@@ -290,6 +293,7 @@ class Ingestor:
             if reason is not None and reason not in REASONS:
                 text = f"unknown reason {str(reason)[:40]!r}: {text}"
                 reason = "exit_code"
+            node = data.get("node")  # set by each node of a multi-node attempt
             return attempt_exited(
                 session,
                 ev.job_id,
@@ -297,6 +301,7 @@ class Ingestor:
                 exit_code=exit_code,
                 reason=reason,
                 message=text,
+                node=node if isinstance(node, int) and not isinstance(node, bool) else None,
                 at=at,
             )
         log.debug("ignoring lifecycle phase %r of %s", phase, ev.key)

@@ -139,6 +139,8 @@ class Attempt(Base):
     started_at: Mapped[datetime | None]
     ended_at: Mapped[datetime | None]
     hb_missing_since: Mapped[datetime | None]
+    # Multi-node: the nodes that reported their exit so far, "n" -> {exit_code, reason}.
+    node_exits: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     __table_args__ = (
         UniqueConstraint("job_id", "number"),

@@ -16,7 +16,7 @@ from typing import Any
 from service.state import StatusChange
 from trainer.events import Event, Keys
 
-__all__ = ["CANCEL_TTL_S", "publish_status", "signal_cancel", "status_event"]
+__all__ = ["CANCEL_TTL_S", "publish_status", "signal_cancel", "signal_stop", "status_event"]
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +64,22 @@ def signal_cancel(redis: Any, keys: Keys, job_id: str) -> None:
     pipe.set(keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
     pipe.publish(keys.cancel_channel(), job_id)
     pipe.execute()
+
+
+def signal_stop(redis: Any, keys: Keys, attempts: Iterable[tuple[str, int]]) -> bool:
+    """Tell the nodes of ended multi-node attempts that still run to stop (the stop key is
+    the truth; the publish on the cancel channel only wakes them). False (logged) when Redis
+    is unreachable: a node left running then ends when its peers are gone."""
+    attempts = list(attempts)
+    if not attempts:
+        return True
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for job_id, number in attempts:
+            pipe.set(keys.stop(job_id, number), "1", ex=CANCEL_TTL_S)
+            pipe.publish(keys.cancel_channel(), job_id)
+        pipe.execute()
+        return True
+    except Exception as exc:  # redis.RedisError, OSError
+        log.warning("could not stop the nodes of %d attempt(s): %s", len(attempts), exc)
+        return False

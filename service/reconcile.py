@@ -4,9 +4,11 @@ replicas (a Redis lock with a token, released only by its holder).
 - Attempts committed but never handed to Celery (the broker was down, the process died
   between commit and send) are sent again.
 - An attempt that a worker claimed, or that reported running, whose heartbeat key has been
-  gone for ``heartbeat_grace_s`` is ``lost``; ``service.state`` then retries the job with a
-  new attempt in the same run directory (the trainer resumes from its checkpoint) while
-  retries remain, else fails it with reason ``lost``. The grace covers the moment between a
+  gone for ``heartbeat_grace_s`` is ``lost`` (a multi-node attempt: the heartbeat of any
+  node that claimed it, or of any node of a running one, that has not reported its exit);
+  ``service.state`` then retries the job with a new attempt in the same run directory (the
+  trainer resumes from its checkpoint) while retries remain, else fails it with reason
+  ``lost``. The grace covers the moment between a
   worker's exit event and its ingestion, when the heartbeat is already deleted.
 """
 
@@ -23,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.dispatch import Dispatcher, dispatch_attempts
 from service.models import ATTEMPTS, JOBS, utcnow
-from service.notify import publish_status
+from service.notify import publish_status, signal_stop
 from service.settings import Settings
 from service.state import Outcome, attempt_lost
 from trainer.events import Keys
@@ -101,12 +103,20 @@ class Reconciler:
             ATTEMPTS.c.number,
             ATTEMPTS.c.status,
             ATTEMPTS.c.hb_missing_since,
+            ATTEMPTS.c.node_exits,
+            JOBS.c.nodes,
         )
+        joined = ATTEMPTS.join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
         with self.sessions() as session:
-            running = list(session.execute(select(*columns).where(ATTEMPTS.c.status == "running")))
+            running = list(
+                session.execute(
+                    select(*columns).select_from(joined).where(ATTEMPTS.c.status == "running")
+                )
+            )
             waiting = list(
                 session.execute(
                     select(*columns)
+                    .select_from(joined)
                     .where(
                         ATTEMPTS.c.status == "dispatched",
                         ATTEMPTS.c.sent_at.is_not(None),
@@ -123,17 +133,33 @@ class Reconciler:
         rows = self._live_attempts()
         if not rows:
             return 0
+        # Node 0's keys are the single-node keys; a node that reported its exit has dropped
+        # its heartbeat on purpose and is not asked about.
+        asked = [
+            [n for n in range(r.nodes or 1) if str(n) not in (r.node_exits or {})] for r in rows
+        ]
         pipe = self.redis.pipeline(transaction=False)
-        for r in rows:
-            pipe.exists(self.keys.heartbeat(r.job_id, r.number))
-            pipe.exists(self.keys.claim(r.job_id, r.number))
-        answers = pipe.execute()
+        for r, nodes in zip(rows, asked, strict=True):
+            for n in nodes:
+                pipe.exists(self.keys.heartbeat(r.job_id, r.number, n))
+                pipe.exists(self.keys.claim(r.job_id, r.number, n))
+        answers = iter(pipe.execute())
         now = utcnow()
         grace = timedelta(seconds=self.settings.heartbeat_grace_s)
         mark, clear, lost = [], [], []
-        for i, r in enumerate(rows):
-            beating, claimed = answers[2 * i], answers[2 * i + 1]
-            if beating or (r.status == "dispatched" and not claimed):
+        why: dict[int, str] = {}
+        for r, nodes in zip(rows, asked, strict=True):
+            # A node is missing if it runs (or claimed the attempt) without a heartbeat; one
+            # still waiting in the Celery queue is not.
+            missing = []
+            for n in nodes:
+                beating, claimed = next(answers), next(answers)
+                if not beating and (r.status == "running" or claimed):
+                    missing.append(n)
+            if (r.nodes or 1) > 1:
+                who = ", ".join(str(n) for n in missing)
+                why[r.id] = f"heartbeat of node {who} of {r.nodes} expired: its worker stopped"
+            if not missing:
                 if r.hb_missing_since is not None:
                     clear.append(r.id)  # alive again, or still waiting in the Celery queue
                 continue
@@ -159,13 +185,14 @@ class Reconciler:
                         session,
                         r.job_id,
                         r.number,
-                        message="heartbeat expired: the worker stopped reporting",
+                        message=why.get(r.id, "heartbeat expired: the worker stopped reporting"),
                         at=now,
                     )
                 )
         publish_status(
             self.redis, self.keys, outcome.changes, maxlen=self.settings.job_stream_maxlen
         )
+        signal_stop(self.redis, self.keys, outcome.to_stop)
         if outcome.to_send:
             dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
         return len(lost)

@@ -32,7 +32,7 @@ from redis import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from service.models import TERMINAL
-from trainer.events import Event
+from trainer.events import NODE_SEQ_SHIFT, Event
 
 __all__ = [
     "Fanout",
@@ -75,8 +75,10 @@ def format_sse(event: str, data: dict[str, Any], entry_id: str | None = None) ->
 
 
 def format_log_line(item: dict[str, Any]) -> str:
-    rank = item.get("rank")
+    rank, node = item.get("rank"), item.get("node")
     who = "worker" if rank is None else f"rank {rank}"
+    if node is not None:  # a multi-node attempt: which host's worker or torchrun said it
+        who = f"node {node} {who}"
     if item.get("stream") == "stderr":
         who += " stderr"
     return f"[{who}] {item.get('line', '')}\n"
@@ -319,16 +321,18 @@ async def sse_events(follower: Follower) -> AsyncIterator[bytes]:
 
 
 async def follow_logs(
-    follower: Follower, seen: dict[int, int], rank: int | None
+    follower: Follower, seen: dict[tuple[int, int], int], rank: int | None
 ) -> AsyncIterator[bytes]:
-    """Log lines after those already sent from the database (per-attempt seq ``seen``)."""
+    """Log lines after those already sent from the database (the seq ``seen`` per attempt
+    and node: each node of a multi-node attempt numbers its events in a range of its own)."""
     async for item in follower.entries():
         if item is None:
             continue  # chunked text has no comment lines; the row check still runs
         event = item.event
-        if event.kind != "log" or event.seq <= seen.get(event.attempt, 0):
+        where = (event.attempt, event.seq >> NODE_SEQ_SHIFT)
+        if event.kind != "log" or event.seq <= seen.get(where, 0):
             continue
-        seen[event.attempt] = event.seq
+        seen[where] = event.seq
         lines = event.data.get("lines")
         if not isinstance(lines, list):
             continue

@@ -11,6 +11,13 @@ the caller's transaction and return what changed; the caller commits, then publi
                  ▲         │ └──▶ cancelling ─▶ cancelled (or whatever the exit says)
                  └─────────┘ retry: a new attempt, resuming from the run's checkpoint
     attempt:  dispatched ─▶ running ─▶ exited | lost
+
+A multi-node attempt (one worker task per node) is ``running`` at its first node's running
+event. It ends when the last node has exited successfully, or at the first node that fails
+(or is lost); that ending also asks the nodes still running to stop (``Outcome.to_stop``),
+and their exits, coming after, change nothing. The nodes done so far are kept in
+``attempts.node_exits``, read under a row lock, so two replicas ingesting two nodes' exits
+at once cannot both miss the last one, and a replayed exit is recognised.
 """
 
 from __future__ import annotations
@@ -51,10 +58,13 @@ class StatusChange:
 class Outcome:
     changes: list[StatusChange] = field(default_factory=list)
     to_send: list[tuple[str, int]] = field(default_factory=list)  # new attempts to dispatch
+    # Multi-node attempts that ended while some of their nodes may still run.
+    to_stop: list[tuple[str, int]] = field(default_factory=list)
 
     def extend(self, other: Outcome) -> None:
         self.changes.extend(other.changes)
         self.to_send.extend(other.to_send)
+        self.to_stop.extend(other.to_stop)
 
 
 def _cas_job(
@@ -131,12 +141,19 @@ def attempt_exited(
     exit_code: int | None,
     reason: str | None,
     message: str,
+    node: int | None = None,
     at: datetime | None = None,
 ) -> Outcome:
-    """The attempt ended; reason None with exit code 0 is a success."""
+    """The attempt (or one ``node`` of it) ended; reason None with exit code 0 is a success."""
     at = at or utcnow()
     if reason is None and exit_code != 0:
         reason = "exit_code"
+    nodes = _nodes(session, job_id) if node is not None else 1
+    if nodes > 1 and node is not None:
+        return _node_exited(
+            session, job_id, number, node, nodes, exit_code=exit_code, reason=reason,
+            message=message, at=at,
+        )  # fmt: skip
     if not _cas_attempt(
         session,
         job_id,
@@ -150,6 +167,60 @@ def attempt_exited(
     ):
         return Outcome()
     return _settle(session, job_id, number, reason, message, at)
+
+
+def _nodes(session: Session, job_id: str) -> int:
+    return int(session.execute(select(JOBS.c.nodes).where(JOBS.c.id == job_id)).scalar() or 1)
+
+
+def _node_exited(
+    session: Session,
+    job_id: str,
+    number: int,
+    node: int,
+    nodes: int,
+    *,
+    exit_code: int | None,
+    reason: str | None,
+    message: str,
+    at: datetime,
+) -> Outcome:
+    """One node of a multi-node attempt exited: record it, and end the attempt at the first
+    failure or once every node has succeeded."""
+    row = session.execute(
+        select(ATTEMPTS.c.status, ATTEMPTS.c.node_exits)
+        .where(ATTEMPTS.c.job_id == job_id, ATTEMPTS.c.number == number)
+        .with_for_update()
+    ).first()
+    if row is None or row.status not in ("dispatched", "running") or not 0 <= node < nodes:
+        return Outcome()  # the attempt already ended: a late node changes nothing
+    done = dict(row.node_exits or {})
+    if str(node) in done:
+        return Outcome()  # a replayed exit
+    done[str(node)] = {"exit_code": exit_code, "reason": reason}
+    where = (ATTEMPTS.c.job_id == job_id, ATTEMPTS.c.number == number)
+    if reason is None and len(done) < nodes:
+        session.execute(update(ATTEMPTS).where(*where).values(node_exits=done))
+        return Outcome()
+    if reason is not None:
+        message = f"node {node} of {nodes}: {message}"
+    if not _cas_attempt(
+        session,
+        job_id,
+        number,
+        ("dispatched", "running"),
+        status="exited",
+        exit_code=exit_code,
+        reason=reason,
+        message=message,
+        ended_at=at,
+        node_exits=done,
+    ):
+        return Outcome()
+    out = _settle(session, job_id, number, reason, message, at)
+    if reason is not None:
+        out.to_stop.append((job_id, number))
+    return out
 
 
 def attempt_lost(
@@ -168,7 +239,10 @@ def attempt_lost(
         ended_at=at,
     ):
         return Outcome()
-    return _settle(session, job_id, number, "lost", message, at)
+    out = _settle(session, job_id, number, "lost", message, at)
+    if _nodes(session, job_id) > 1:
+        out.to_stop.append((job_id, number))  # the other nodes may still run, or wait
+    return out
 
 
 def _settle(

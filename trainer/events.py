@@ -12,8 +12,16 @@ Layout (``prefix`` defaults to ``trainq``):
 - ``{prefix}:cancel:{id}``       cancel flag (the key is the truth; pub/sub only wakes)
 - ``{prefix}:workers``           hash of live workers
 
+A multi-node attempt has one task per node: node 0 uses the keys above, node ``n > 0`` the
+same keys with ``:{n}`` appended (``hb:{id}:{attempt}:{n}``, ``claim:...:{n}``), so a
+single-node job's keys are what they always were. The nodes meet in
+``{prefix}:gang:{id}:{attempt}`` (worker.gang); ``{prefix}:stop:{id}:{attempt}`` tells the
+nodes still running that the service already ended the attempt (another node failed).
+
 An event is idempotent per ``(job, attempt, source, seq)``: each producer numbers its own
-events per attempt, so a replay of the stream changes nothing.
+events per attempt, so a replay of the stream changes nothing. Node ``n``'s worker publishes
+as source ``worker:{n}`` (node 0 as ``worker``) and numbers from ``n << NODE_SEQ_SHIFT``, so
+``(job, attempt, seq)`` of worker events (the key of a stored log chunk) stays unique too.
 """
 
 from __future__ import annotations
@@ -29,17 +37,28 @@ from typing import Any, Literal
 
 __all__ = [
     "EVENT_VERSION",
+    "NODE_SEQ_SHIFT",
     "Event",
     "EventKind",
     "ExitCode",
     "Keys",
     "Publisher",
     "Reason",
+    "worker_source",
 ]
 
 log = logging.getLogger(__name__)
 
 EVENT_VERSION = "1"
+
+# Node n's worker numbers its events from n << NODE_SEQ_SHIFT (a run never sends 2**32).
+NODE_SEQ_SHIFT = 32
+
+
+def worker_source(node: int) -> str:
+    """The ``source`` of node ``node``'s worker events: node 0 keeps the single-node name."""
+    return "worker" if node == 0 else f"worker:{node}"
+
 
 EventKind = Literal["lifecycle", "metric", "log", "status"]
 """lifecycle: an attempt's phase (worker); metric: one step's numbers (trainer rank 0);
@@ -88,11 +107,17 @@ class Keys:
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
 
-    def heartbeat(self, job_id: str, attempt: int) -> str:
-        return f"{self.prefix}:hb:{job_id}:{attempt}"
+    def heartbeat(self, job_id: str, attempt: int, node: int = 0) -> str:
+        return f"{self.prefix}:hb:{job_id}:{attempt}" + (f":{node}" if node else "")
 
-    def claim(self, job_id: str, attempt: int) -> str:
-        return f"{self.prefix}:claim:{job_id}:{attempt}"
+    def claim(self, job_id: str, attempt: int, node: int = 0) -> str:
+        return f"{self.prefix}:claim:{job_id}:{attempt}" + (f":{node}" if node else "")
+
+    def gang(self, job_id: str, attempt: int) -> str:
+        return f"{self.prefix}:gang:{job_id}:{attempt}"
+
+    def stop(self, job_id: str, attempt: int) -> str:
+        return f"{self.prefix}:stop:{job_id}:{attempt}"
 
     def cancel(self, job_id: str) -> str:
         return f"{self.prefix}:cancel:{job_id}"
@@ -190,6 +215,7 @@ class Publisher:
         retry_s: float = 0.5,
         min_interval_s: float = 0.2,
         batch_max: int = 256,
+        seq_start: int = 0,
     ) -> None:
         self.keys = Keys(prefix)
         self.job_id = job_id
@@ -206,7 +232,7 @@ class Publisher:
         self._flushers = 0
         self._queue: deque[Event] = deque()
         self._cond = threading.Condition()
-        self._seq = 0
+        self._seq = seq_start  # the first event is seq_start + 1
         self._closing = False
         self._client: Any = None
         self._link_down = False  # the last send failed; cleared by the next one that works

@@ -26,6 +26,10 @@ app.conf.update(
     broker_url=WorkerSettings().broker_url,
     task_acks_late=False,
     worker_prefetch_multiplier=1,
+    # With early ack a busy worker would still reserve one more message; for a gang that
+    # message may be another node of the attempt it runs, which then waits out the gang.
+    # A worker takes a message only when a slot is free.
+    worker_disable_prefetch=True,
     task_create_missing_queues=False,
     task_ignore_result=True,
     result_backend=None,

@@ -62,7 +62,8 @@ class WorkerContext:
             self._free.put(Slot(i, share))
         self.preempt = threading.Event()  # set once: the worker is shutting down
         self._lock = threading.Lock()
-        self._running: dict[tuple[str, int], threading.Event] = {}
+        # (job, attempt, node): two nodes of one gang may share a worker with several slots.
+        self._running: dict[tuple[str, int, int], threading.Event] = {}
         self._on_change: list[Callable[[], None]] = []
         self._redis: Any = None
 
@@ -93,19 +94,19 @@ class WorkerContext:
         for cb in self._on_change:
             cb()
 
-    def track(self, job_id: str, attempt: int, wake: threading.Event) -> None:
+    def track(self, job_id: str, attempt: int, wake: threading.Event, node: int = 0) -> None:
         with self._lock:
-            self._running[(job_id, attempt)] = wake
+            self._running[(job_id, attempt, node)] = wake
         self._changed()
 
-    def untrack(self, job_id: str, attempt: int) -> None:
+    def untrack(self, job_id: str, attempt: int, node: int = 0) -> None:
         with self._lock:
-            self._running.pop((job_id, attempt), None)
+            self._running.pop((job_id, attempt, node), None)
         self._changed()
 
     def running_jobs(self) -> list[str]:
         with self._lock:
-            return sorted({job for job, _ in self._running})
+            return sorted({job for job, _, _ in self._running})
 
     def shut_down(self) -> None:
         """Warm shutdown: every running attempt stops its run (SIGTERM, so it checkpoints)."""

@@ -51,8 +51,15 @@ def build_torchrun_argv(
     log_dir: Path,
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
+    node_rank: int = 0,
 ) -> list[str]:
-    """torchrun's argv: one node uses --standalone; several share a c10d rendezvous."""
+    """torchrun's argv: one node uses --standalone; several share a static rendezvous.
+
+    Static, not c10d: the gang (worker.gang) has already gathered every node, and c10d
+    would ignore ``--node-rank`` and order the nodes by host and pid, while static keeps
+    node n's ranks at ``n * nproc_per_node ...``, so global rank 0 (the one that reports
+    metrics) runs on node 0, whose agent hosts the store at the endpoint.
+    """
     argv = [
         python,
         "-m",
@@ -65,7 +72,14 @@ def build_torchrun_argv(
     else:
         if not rdzv_endpoint or not rdzv_id:
             raise ValueError("a multi-node launch needs a rendezvous endpoint and id")
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"node rank {node_rank} is not below nnodes={nnodes}")
+        argv += [
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-id={rdzv_id}",
+            f"--node-rank={node_rank}",
+        ]
     argv += [
         f"--max-restarts={max_restarts}",
         # Tee every rank's stdout and stderr into log files *and* torchrun's own streams, where

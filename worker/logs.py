@@ -1,7 +1,8 @@
 """Log forwarding: torchrun's stdout and stderr, tagged with rank and stream, as log events.
 
 torchrun tees each rank's output to its own streams with a ``[rank{N}]:`` prefix
-(launch.LOG_LINE_PREFIX); lines without it are torchrun's own (rank null). Lines are
+(launch.LOG_LINE_PREFIX, the global rank); lines without it are torchrun's own (rank null).
+In a multi-node attempt every line also carries its ``node``. Lines are
 batched into one ``log`` event per ``batch_lines`` or ``batch_s``, whichever comes first,
 and the last lines are kept for the exit message.
 """
@@ -42,8 +43,10 @@ class LogForwarder:
         batch_s: float = 0.25,
         tail_lines: int = 20,
         agent_lines: int = 400,
+        node: int | None = None,
     ) -> None:
         self._pub = publisher
+        self._node = node  # a multi-node attempt tags every line with its node
         self._batch_lines = batch_lines
         self._batch_s = batch_s
         self._lock = threading.Lock()
@@ -74,7 +77,10 @@ class LogForwarder:
 
     def _add(self, rank: int | None, stream: Stream, text: str) -> None:
         with self._lock:
-            self._pending.append({"rank": rank, "stream": stream, "line": text})
+            item: dict[str, Any] = {"rank": rank, "stream": stream, "line": text}
+            if self._node is not None:
+                item["node"] = self._node
+            self._pending.append(item)
             self.lines += 1
             self.tail.append(text if rank is None else f"[rank{rank}] {text}")
             if rank is None:

@@ -33,3 +33,8 @@ class WorkerSettings(BaseSettings):
     log_tail_lines: int = Field(20, ge=1)  # last lines quoted in an exit_code message
     flush_timeout_s: float = Field(10.0, gt=0)  # how long the exit waits for Redis
     python: str | None = None  # interpreter for torchrun and the guard; default: ours
+    # Multi-node: how long a node waits for the rest of its gang before the attempt fails
+    # (no_worker), and the address other hosts reach this one at (node 0 hosts the
+    # rendezvous store); default: the host name.
+    gang_timeout_s: float = Field(120.0, gt=0)
+    advertise_host: str | None = None

@@ -1,10 +1,15 @@
 """One attempt, from claim to exit event: the plain function behind the Celery task.
 
 The way through: claim (SET NX; a redelivery stops here) -> heartbeat -> checks that need no
-process (shutdown, cancel flag, job id, data path) -> write RUN_DIR/config.json -> launch
-guard + torchrun in a new session -> forward logs, watch cancel / deadline / shutdown ->
-stop the whole process group if asked (SIGTERM, grace, SIGKILL) -> confirm by the process
-table that nothing of the group is left -> flush the logs -> report the exit.
+process (shutdown, cancel flag, job id, data path) -> write RUN_DIR/config.json -> (several
+nodes: wait for the whole gang, worker.gang) -> launch guard + torchrun in a new session ->
+forward logs, watch cancel / deadline / shutdown -> stop the whole process group if asked
+(SIGTERM, grace, SIGKILL) -> confirm by the process table that nothing of the group is left
+-> flush the logs -> report the exit.
+
+A job of N nodes is N tasks, one per node (``msg.node_rank``), each with its own claim,
+heartbeat and event source (trainer.events); their events carry ``node``. The service
+decides the attempt from all of them (service.state).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import time
 from pathlib import Path
 
 from trainer.config import ConfigError, resolve_data_path
-from trainer.events import Publisher
+from trainer.events import NODE_SEQ_SHIFT, Publisher, worker_source
 from worker.context import Slot, WorkerContext
+from worker.gang import Gang, free_port
 from worker.launch import build_env, build_guard_argv, build_torchrun_argv, safe_job_id
 from worker.logs import LogForwarder
 from worker.message import JobMessage
@@ -34,11 +40,17 @@ __all__ = ["run_attempt"]
 log = logging.getLogger(__name__)
 
 CLAIM_TTL_S = 7 * 24 * 3600
+GANG_TTL_S = 24 * 3600  # a late node finds the gang closed for this long
 _CLAIM_RETRY_S = 30.0  # Redis briefly away at claim time: wait for it rather than drop the task
 
 
+def _label(msg: JobMessage) -> str:
+    node = f" node {msg.node_rank}" if msg.nodes > 1 else ""
+    return f"{msg.job_id}:{msg.attempt}{node}"
+
+
 def _claim(ctx: WorkerContext, msg: JobMessage) -> bool:
-    key = ctx.keys.claim(msg.job_id, msg.attempt)
+    key = ctx.keys.claim(msg.job_id, msg.attempt, msg.node_rank)
     deadline = time.monotonic() + _CLAIM_RETRY_S
     while True:
         try:
@@ -46,45 +58,49 @@ def _claim(ctx: WorkerContext, msg: JobMessage) -> bool:
         except Exception as exc:
             if time.monotonic() >= deadline:
                 raise
-            log.warning("claim of %s:%d waits for Redis: %s", msg.job_id, msg.attempt, exc)
+            log.warning("claim of %s waits for Redis: %s", _label(msg), exc)
             time.sleep(1.0)
 
 
 def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
     """Run one attempt to its end; None if another delivery already claimed it."""
+    label = _label(msg)
     if not _claim(ctx, msg):
-        log.warning(
-            "attempt %s:%d is already claimed; duplicate delivery ignored", msg.job_id, msg.attempt
-        )
+        log.warning("attempt %s is already claimed; duplicate delivery ignored", label)
         return None
-    s = ctx.settings
-    pub = Publisher(s.redis_url, msg.job_id, msg.attempt, "worker", prefix=s.redis_prefix)
+    s, node = ctx.settings, msg.node_rank
+    pub = Publisher(
+        s.redis_url,
+        msg.job_id,
+        msg.attempt,
+        worker_source(node),
+        prefix=s.redis_prefix,
+        seq_start=node << NODE_SEQ_SHIFT,
+    )
     hb = Heartbeat(
-        ctx.redis, ctx.keys.heartbeat(msg.job_id, msg.attempt), ctx.name, s.heartbeat_ttl_s
+        ctx.redis, ctx.keys.heartbeat(msg.job_id, msg.attempt, node), ctx.name, s.heartbeat_ttl_s
     )
     wake = threading.Event()
-    ctx.track(msg.job_id, msg.attempt, wake)
+    ctx.track(msg.job_id, msg.attempt, wake, node)
     try:
         with ctx.slot() as slot:
             try:
                 outcome = _Attempt(msg, ctx, pub, slot, wake).run()
             except Exception as exc:  # our own fault, not the run's: the service retries
-                log.exception("attempt %s:%d failed in the worker", msg.job_id, msg.attempt)
+                log.exception("attempt %s failed in the worker", label)
                 outcome = Outcome(None, "lost", f"worker {ctx.name} failed: {exc}")
-        pub.emit("lifecycle", outcome.data())
+        data = outcome.data()
+        if msg.nodes > 1:
+            data["node"] = node
+        pub.emit("lifecycle", data)
         sent = pub.close(s.flush_timeout_s)
         if not sent:
-            log.error(
-                "attempt %s:%d: %d events not sent (Redis unreachable)",
-                msg.job_id,
-                msg.attempt,
-                pub.pending(),
-            )
+            log.error("attempt %s: %d events not sent (Redis unreachable)", label, pub.pending())
         # Keep the heartbeat if the exit event is still unsent: it expires on its own.
         hb.stop(delete=sent)
     finally:
-        ctx.untrack(msg.job_id, msg.attempt)
-    log.info("attempt %s:%d exited: %s", msg.job_id, msg.attempt, outcome)
+        ctx.untrack(msg.job_id, msg.attempt, node)
+    log.info("attempt %s exited: %s", label, outcome)
     return outcome
 
 
@@ -99,6 +115,15 @@ class _Attempt:
     ) -> None:
         self.msg, self.ctx, self.pub, self.slot, self.wake = msg, ctx, pub, slot, wake
         self.s = ctx.settings
+        self.multi = msg.nodes > 1
+        self.gang = Gang(
+            ctx.redis,
+            ctx.keys.gang(msg.job_id, msg.attempt),
+            nodes=msg.nodes,
+            node=msg.node_rank,
+            member=ctx.name,
+            ttl_s=GANG_TTL_S,
+        )
         self.cancel = CancelWatch(
             ctx.redis,
             key=ctx.keys.cancel(msg.job_id),
@@ -106,33 +131,49 @@ class _Attempt:
             job_id=msg.job_id,
             poll_s=self.s.cancel_poll_s,
             wake=wake,
+            stop_key=ctx.keys.stop(msg.job_id, msg.attempt) if self.multi else None,
         )
 
     def run(self) -> Outcome:
         early = self._refuse()
         if early is not None:
+            self._leave_gang(early)
             return early
         run_dir = (self.s.runs_root / self.msg.job_id).resolve()
         self._prepare(run_dir)
         self.cancel.start()
         try:
-            return self._launch_and_watch(run_dir)
+            endpoint = None
+            if self.multi:
+                endpoint, early = self._gather()
+                if early is not None:
+                    return early
+            return self._launch_and_watch(run_dir, endpoint)
         finally:
             self.cancel.stop()
+
+    def _interrupted(self) -> Outcome | None:
+        """Shutdown or cancel, seen before anything was launched."""
+        ctx = self.ctx
+        if ctx.preempt.is_set():
+            return Outcome(None, "preempted", f"worker {ctx.name} is shutting down")
+        if self.cancel.check():
+            if self.cancel.stopped:
+                return Outcome(None, "cancelled", self._stopped_message())
+            return Outcome(None, "cancelled", "cancelled before launch")
+        return None
+
+    def _stopped_message(self) -> str:
+        return f"stopped: attempt {self.msg.attempt} already ended on another node"
 
     def _refuse(self) -> Outcome | None:
         """Reasons not to launch at all, found without starting a process."""
         msg, ctx = self.msg, self.ctx
-        if ctx.preempt.is_set():
-            return Outcome(None, "preempted", f"worker {ctx.name} is shutting down")
-        if self.cancel.check():
-            return Outcome(None, "cancelled", "cancelled before launch")
+        early = self._interrupted()
+        if early is not None:
+            return early
         if not safe_job_id(msg.job_id):
             return Outcome(None, "spec_error", f"job id {msg.job_id!r} cannot name a run folder")
-        if msg.nodes != 1:
-            return Outcome(
-                None, "spec_error", f"nodes={msg.nodes}: this worker launches single-node jobs only"
-            )
         gpus = self.slot.gpus
         if gpus is not None and msg.procs_per_node > len(gpus):
             return Outcome(
@@ -154,6 +195,42 @@ class _Attempt:
             )
         return None
 
+    def _leave_gang(self, outcome: Outcome) -> None:
+        """A node that will not launch closes its gang, so the others give up at once."""
+        if not self.multi:
+            return
+        try:
+            self.gang.close(
+                f"node {self.msg.node_rank} on worker {self.ctx.name} did not start: "
+                f"{outcome.reason}: {outcome.message}"
+            )
+        except Exception as exc:  # the others time out instead
+            log.warning("could not close the gang of %s: %s", _label(self.msg), exc)
+
+    def _gather(self) -> tuple[str | None, Outcome | None]:
+        """Join the gang and wait for all of it: (rendezvous endpoint, None), or (None, why
+        this node gives up without launching)."""
+        msg, ctx, s = self.msg, self.ctx, self.s
+        endpoint = None
+        if msg.node_rank == 0:
+            endpoint = f"{s.advertise_host or ctx.host}:{free_port()}"
+        if self.gang.join(endpoint):
+            log.info("attempt %s joined its gang of %d", _label(msg), msg.nodes)
+            state = self.gang.wait(
+                s.gang_timeout_s,
+                wake=self.wake,
+                interrupted=lambda: ctx.preempt.is_set() or self.cancel.requested.is_set(),
+            )
+        else:
+            state = self.gang.state()
+        if state.complete:
+            return state.endpoint, None
+        if state.closed is not None:
+            return None, Outcome(None, "no_worker", state.closed)
+        early = self._interrupted() or Outcome(None, "cancelled", "cancelled before launch")
+        self._leave_gang(early)
+        return None, early
+
     def _prepare(self, run_dir: Path) -> None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # A retry shares the run dir: an old attempt's failure must not classify this one.
@@ -164,12 +241,15 @@ class _Attempt:
         )
         os.replace(tmp, run_dir / "config.json")
 
-    def _launch_and_watch(self, run_dir: Path) -> Outcome:
+    def _launch_and_watch(self, run_dir: Path, endpoint: str | None) -> Outcome:
         s, msg, ctx = self.s, self.msg, self.ctx
         python = s.python or sys.executable
         torchrun = build_torchrun_argv(
             python,
-            nnodes=1,
+            nnodes=msg.nodes,
+            node_rank=msg.node_rank,
+            rdzv_endpoint=endpoint,
+            rdzv_id=f"{msg.job_id}-{msg.attempt}" if endpoint else None,
             nproc_per_node=msg.procs_per_node,
             max_restarts=s.max_restarts,
             config=run_dir / "config.json",
@@ -196,14 +276,21 @@ class _Attempt:
             start_new_session=True,
         )
         pgid = proc.pid  # the guard leads the new session and its process group
-        self.pub.emit(
-            "lifecycle", {"phase": "running", "host": ctx.host, "worker": ctx.name, "pid": proc.pid}
-        )
+        running: dict[str, object] = {
+            "phase": "running",
+            "host": ctx.host,
+            "worker": ctx.name,
+            "pid": proc.pid,
+        }
+        if self.multi:
+            running["node"] = msg.node_rank
+        self.pub.emit("lifecycle", running)
         logs = LogForwarder(
             self.pub,
             batch_lines=s.log_batch_lines,
             batch_s=s.log_batch_s,
             tail_lines=s.log_tail_lines,
+            node=msg.node_rank if self.multi else None,
         )
         assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
         logs.attach(proc.stdout, "stdout")
@@ -260,6 +347,8 @@ class _Attempt:
                     f"to resume from its checkpoint elsewhere"
                 )
             if self.cancel.requested.is_set():
+                if self.cancel.stopped:
+                    return "cancelled", self._stopped_message()
                 return "cancelled", "cancelled by request"
             if deadline is not None and time.monotonic() >= deadline:
                 return "timeout", f"ran past max_runtime_s={limit}"

@@ -53,7 +53,9 @@ class CancelWatch:
     """Sets ``requested`` once the cancel key exists. Pub/sub wakes it; the key is the truth.
 
     Pub/sub is at most once (a message sent while we were reconnecting is gone), so the key
-    is also read every ``poll_s`` whatever the channel says.
+    is also read every ``poll_s`` whatever the channel says. A multi-node attempt also
+    watches ``stop_key`` (the service ended the attempt: another node failed); finding it
+    sets ``requested`` too, and ``stopped``.
     """
 
     def __init__(
@@ -65,17 +67,24 @@ class CancelWatch:
         job_id: str,
         poll_s: float,
         wake: threading.Event,
+        stop_key: str | None = None,
     ) -> None:
         self._client, self._key, self._channel = client, key, channel
+        self._stop_key = stop_key
         self._poll_s = poll_s
         self._wake = wake
         self.requested = threading.Event()
+        self.stopped = False  # requested by the stop key, not by a cancel
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"cancel-{job_id}", daemon=True)
 
     def check(self) -> bool:
         try:
             if self._client.exists(self._key):
+                self.requested.set()
+                self._wake.set()
+            elif self._stop_key is not None and self._client.exists(self._stop_key):
+                self.stopped = True
                 self.requested.set()
                 self._wake.set()
         except Exception as exc:

@@ -17,7 +17,6 @@ from starlette.concurrency import run_in_threadpool
 from service import crud
 from service.auth import Principal
 from service.deps import PrincipalDep, Services, ServicesDep
-from service.dispatch import job_message
 from service.errors import InvalidInput, NotFound
 from service.models import ATTEMPTS, utcnow
 from service.notify import publish_status, signal_cancel
@@ -128,7 +127,7 @@ def _submit(
             row, created = crud.create_job(session, principal, spec, key)
     # Committed first, sent second: a failed send leaves it for the reconciler.
     dispatcher = services.dispatcher
-    if created and not dispatcher.backing_off and dispatcher.send(job_message(row, 1)):
+    if created and not dispatcher.backing_off and dispatcher.send_attempt(row, 1):
         if postgres:
             _mark_sent_pg(services, row["id"])
         else:

@@ -112,7 +112,7 @@ def _log_tail(
     rank: int | None,
     attempt: int | None,
     follow: bool,
-) -> tuple[list[str], dict[int, int]]:
+) -> tuple[list[str], dict[tuple[int, int], int]]:
     def lines_of(chunk: Any) -> list[str]:
         return [format_log_line(x) for x in chunk["lines"] if rank is None or x.get("rank") == rank]
 

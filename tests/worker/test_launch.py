@@ -36,13 +36,19 @@ def test_single_node_is_standalone_and_runs_the_trainer_module() -> None:
     ]  # fmt: skip
 
 
-def test_multi_node_uses_a_c10d_rendezvous() -> None:
-    argv = _argv(nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="job-7-1")
-    assert "--standalone" not in argv
-    assert "--rdzv-backend=c10d" in argv
-    assert "--rdzv-endpoint=10.0.0.1:29400" in argv and "--rdzv-id=job-7-1" in argv
+def test_node_i_of_a_gang_joins_a_static_rendezvous_as_node_rank_i() -> None:
+    for node in (0, 1, 2):
+        argv = _argv(nnodes=3, node_rank=node, rdzv_endpoint="10.0.0.1:29400", rdzv_id="job-7-1")
+        assert "--standalone" not in argv
+        assert "--nnodes=3" in argv and "--nproc-per-node=2" in argv
+        # static: torchrun keeps --node-rank (c10d would ignore it), so node 0 hosts rank 0
+        assert "--rdzv-backend=static" in argv and f"--node-rank={node}" in argv
+        assert "--rdzv-endpoint=10.0.0.1:29400" in argv and "--rdzv-id=job-7-1" in argv
+        assert argv.index("--rdzv-backend=static") < argv.index("trainer")
     with pytest.raises(ValueError, match="rendezvous"):
         _argv(nnodes=2)
+    with pytest.raises(ValueError, match="node rank 2"):
+        _argv(nnodes=2, node_rank=2, rdzv_endpoint="h:1", rdzv_id="x")
 
 
 def test_spec_strings_stay_single_argv_items() -> None:
