@@ -5,6 +5,11 @@ torchrun tees each rank's output to its own streams with a ``[rank{N}]:`` prefix
 In a multi-node attempt every line also carries its ``node``. Lines are
 batched into one ``log`` event per ``batch_lines`` or ``batch_s``, whichever comes first,
 and the last lines are kept for the exit message.
+
+An attempt forwards at most ``max_lines`` lines as they come; past that, only its last
+``keep_last`` lines are held, and at the end they follow one line that says how many were
+not kept. A run that prints without end then costs Redis and the store a bounded amount,
+and its stored log still ends with what it printed last (the traceback, the final step).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class LogForwarder:
         tail_lines: int = 20,
         agent_lines: int = 400,
         node: int | None = None,
+        max_lines: int = 200_000,
+        keep_last: int = 2_000,
     ) -> None:
         self._pub = publisher
         self._node = node  # a multi-node attempt tags every line with its node
@@ -55,6 +62,8 @@ class LogForwarder:
         # torchrun's own lines (its failure summary names the failed rank's exit code).
         self.agent: deque[str] = deque(maxlen=agent_lines)
         self.lines = 0
+        self._max_lines = max_lines
+        self._held: deque[dict[str, Any]] = deque(maxlen=keep_last)  # past max_lines
         self._readers: list[threading.Thread] = []
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="log-batch", daemon=True)
@@ -80,8 +89,11 @@ class LogForwarder:
             item: dict[str, Any] = {"rank": rank, "stream": stream, "line": text}
             if self._node is not None:
                 item["node"] = self._node
-            self._pending.append(item)
             self.lines += 1
+            if self.lines <= self._max_lines:
+                self._pending.append(item)
+            else:
+                self._held.append(item)
             self.tail.append(text if rank is None else f"[rank{rank}] {text}")
             if rank is None:
                 self.agent.append(text)
@@ -105,4 +117,20 @@ class LogForwarder:
         self._stop.set()
         self._ticker.join(timeout)
         with self._lock:
+            last = list(self._held)
+            self._held.clear()
+            if self.lines - self._max_lines > len(last):
+                note: dict[str, Any] = {"rank": None, "stream": "stderr"}
+                note["line"] = (
+                    f"trainq: {self.lines - self._max_lines - len(last)} log lines not kept:"
+                    f" this attempt printed {self.lines}, past the cap of {self._max_lines};"
+                    f" its last {len(last)} follow"
+                )
+                if self._node is not None:
+                    note["node"] = self._node
+                last.insert(0, note)
+            for item in last:  # in batches, as they would have gone
+                self._pending.append(item)
+                if len(self._pending) >= self._batch_lines:
+                    self._emit_locked()
             self._emit_locked()

@@ -31,6 +31,10 @@ class WorkerSettings(BaseSettings):
     log_batch_lines: int = Field(200, ge=1)
     log_batch_s: float = Field(0.25, gt=0)
     log_tail_lines: int = Field(20, ge=1)  # last lines quoted in an exit_code message
+    # Lines an attempt forwards as they come; past that only its last log_keep_last lines,
+    # after a line saying how many were not kept (a runaway print costs a bounded amount).
+    log_max_lines: int = Field(200_000, ge=1)
+    log_keep_last: int = Field(2_000, ge=0)
     flush_timeout_s: float = Field(10.0, gt=0)  # how long the exit waits for Redis
     python: str | None = None  # interpreter for torchrun and the guard; default: ours
     # Multi-node: how long a node waits for the rest of its gang before the attempt fails

@@ -291,6 +291,8 @@ class _Attempt:
             batch_s=s.log_batch_s,
             tail_lines=s.log_tail_lines,
             node=msg.node_rank if self.multi else None,
+            max_lines=s.log_max_lines,
+            keep_last=s.log_keep_last,
         )
         assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
         logs.attach(proc.stdout, "stdout")

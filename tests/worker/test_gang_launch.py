@@ -86,8 +86,9 @@ def test_two_nodes_of_one_rank_train_exactly_like_one_node_of_two(
 def test_an_incomplete_gang_starts_nothing_and_fails_with_no_worker(
     start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
 ) -> None:
-    start_worker("w1", gang_timeout_s=3)
-    start_worker("w2", gang_timeout_s=3)
+    # Long enough that both nodes join (their workers are idle) on a loaded machine too.
+    start_worker("w1", gang_timeout_s=8)
+    start_worker("w2", gang_timeout_s=8)
     job = new_job()
     for node in (0, 1):  # node 2 of 3 is never sent: no worker would ever take it
         wire.send(message(job, procs=1, nodes=3, node_rank=node))
@@ -96,7 +97,7 @@ def test_an_incomplete_gang_starts_nothing_and_fails_with_no_worker(
     assert "running" not in phases, "no node may start torchrun"
     for d in exits.values():
         assert (d["exit_code"], d["reason"]) == (None, "no_worker"), d
-        assert d["message"].startswith("gang of 3 nodes incomplete after 3 s: 2 joined ("), d
+        assert d["message"].startswith("gang of 3 nodes incomplete after 8 s: 2 joined ("), d
         assert "node 0 on w" in d["message"] and "node 1 on w" in d["message"]
     assert run_processes(runs_root / job) == []
 
