@@ -9,6 +9,7 @@ import binascii
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import (
     Connection,
     Float,
@@ -28,14 +29,14 @@ from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
 from service.auth import Principal
-from service.db import AsyncReader, pg_sql
+from service.db import AsyncReader
 from service.errors import Conflict, InvalidInput
 from service.models import ATTEMPTS, JOBS, LOGS, METRICS, new_job_id, utcnow
-from service.schemas import JobSpec
+from service.schemas import AttemptOut, JobOut, JobSpec, LatestMetrics
 from trainer.events import NODE_SEQ_SHIFT
 
 __all__ = [
-    "aget_job_with_attempts",
+    "aget_job_json",
     "aqueue_position",
     "attempts_of",
     "create_job",
@@ -211,38 +212,115 @@ def _split_attempts(rows: list[Any]) -> tuple[Any, list[dict[str, Any]]]:
     return rows[0], attempts
 
 
-# The same reads as text for the event-loop reader on PostgreSQL (compiled once, here).
-_SQL_JOB_WITH_ATTEMPTS = pg_sql(_JOB_WITH_ATTEMPTS)
-_SQL_OWN_JOB_WITH_ATTEMPTS = pg_sql(_OWN_JOB_WITH_ATTEMPTS)
-_SQL_QUEUE_POSITION = pg_sql(
-    select(func.count())
-    .select_from(JOBS)
-    .where(
-        JOBS.c.queue == bindparam("queue"),
-        JOBS.c.status == bindparam("status"),
-        JOBS.c.id < bindparam("job_id"),
-    )
+# The queue position as text for the event-loop reader on PostgreSQL (compiled once, here).
+# A queued job's position (1 + the queued jobs of its queue submitted before it), keyed by
+# job id for AsyncReader.fetch_keyed. The (queue, status, id) index serves the count.
+_SQL_QUEUE_POSITION = (
+    "SELECT j.id, 1 + (SELECT count(*) FROM jobs q WHERE q.queue = j.queue"
+    " AND q.status = 'queued' AND q.id < j.id) FROM jobs j WHERE j.id = ANY(%(keys)s)"
 )
 
 
-async def aget_job_with_attempts(
-    reader: AsyncReader, principal: Principal, job_id: str
-) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """``get_job_with_attempts`` on the event loop (PostgreSQL)."""
-    if principal.admin:
-        rows = await reader.fetch(_SQL_JOB_WITH_ATTEMPTS, {"job_id": job_id})
-    else:
-        rows = await reader.fetch(
-            _SQL_OWN_JOB_WITH_ATTEMPTS, {"job_id": job_id, "owner": principal.name}
-        )
-    return _split_attempts(rows)
+# --- GET /v1/jobs/{id} on PostgreSQL: the answer's JSON built by the database --------------
+#
+# The JSON of JobOut, field for field in the schema's order, as compact as pydantic writes it
+# (datetimes in UTC with "Z", microseconds only when not zero); the stored JSON columns
+# (labels, train, the latest metrics' values) are spliced in as stored, not parsed and
+# re-serialized: the same values, though a number may be spelled differently (1e-08 where
+# pydantic writes 1e-8). Only pending_reason is left to the caller, which needs Redis for
+# it: the row holds the text before it (``head``) and after it (``tail``).
+# tests/service/test_job_json.py checks this against job_out(), the pydantic answer.
 
 
-async def aqueue_position(reader: AsyncReader, queue: str, job_id: str) -> int:
-    rows = await reader.fetch(
-        _SQL_QUEUE_POSITION, {"queue": queue, "status": "queued", "job_id": job_id}
+def _json_value(expr: str) -> str:
+    return f"coalesce(to_json({expr})::text, 'null')"
+
+
+def _json_time(expr: str) -> str:
+    utc = f"({expr} AT TIME ZONE 'UTC')"
+    return (
+        f"CASE WHEN {expr} IS NULL THEN 'null' ELSE"
+        f" '\"' || to_char({utc}, 'YYYY-MM-DD\"T\"HH24:MI:SS')"
+        f" || CASE to_char({utc}, 'US') WHEN '000000' THEN '' ELSE '.' || to_char({utc}, 'US') END"
+        " || 'Z\"' END"
     )
-    return int(next(iter(rows[0].values()))) + 1
+
+
+def _json_members(fields: list[tuple[str, str]], first: bool) -> str:
+    """SQL concatenating ``"name":value`` pairs (values are SQL expressions of JSON text)."""
+    pieces = []
+    for i, (name, value) in enumerate(fields):
+        sep = "{" if first and i == 0 else ","
+        pieces.append(f"'{sep}\"{name}\":' || {value}")
+    return " || ".join(pieces)
+
+
+def _schema_members(
+    model: type[BaseModel], alias: str, special: dict[str, str]
+) -> list[tuple[str, str]]:
+    members = []
+    for name in model.model_fields:
+        if name in special:
+            members.append((name, special[name]))
+        elif name.endswith("_at"):
+            members.append((name, _json_time(f"{alias}.{name}")))
+        else:
+            members.append((name, _json_value(f"{alias}.{name}")))
+    return members
+
+
+_LATEST = (
+    "CASE WHEN json_typeof(j.last_metrics) = 'object' THEN "
+    + _json_members(
+        [
+            (n, f"coalesce((j.last_metrics -> '{n}')::text, 'null')")
+            for n in LatestMetrics.model_fields
+        ],
+        first=True,
+    )
+    + " || '}' ELSE 'null' END"
+)
+_ATTEMPTS = (
+    "'[' || coalesce((SELECT string_agg("
+    + _json_members(_schema_members(AttemptOut, "a", {}), first=True)
+    + " || '}', ',' ORDER BY a.number) FROM attempts a WHERE a.job_id = j.id), '') || ']'"
+)
+_JOB_MEMBERS = _schema_members(
+    JobOut,
+    "j",
+    {
+        "labels": "j.labels::text",
+        "train": "j.train::text",
+        "latest": _LATEST,
+        "pending_reason": "",
+        "attempts": _ATTEMPTS,
+    },
+)
+_SPLIT = [name for name, _ in _JOB_MEMBERS].index("pending_reason")
+_SQL_JOB_JSON = (
+    "SELECT j.id, j.owner, j.status, j.queue, "
+    + _json_members(_JOB_MEMBERS[:_SPLIT], first=True)
+    + " || ',\"pending_reason\":' AS head, "
+    + (_json_members(_JOB_MEMBERS[_SPLIT + 1 :], first=False) + " || '}'")
+    + " AS tail FROM jobs j WHERE j.id = ANY(%(keys)s)"
+)
+
+
+async def aget_job_json(
+    reader: AsyncReader, principal: Principal, job_id: str
+) -> tuple[str, str, str, str] | None:
+    """(status, queue, head, tail) of a job the principal may see, or None; concurrent
+    requests' reads share one statement (``AsyncReader.fetch_keyed``)."""
+    row = await reader.fetch_keyed(_SQL_JOB_JSON, job_id)
+    if row is None or not principal.can_see(row[1]):
+        return None
+    return row[2], row[3], row[4], row[5]
+
+
+async def aqueue_position(reader: AsyncReader, job_id: str) -> int:
+    """``queue_position`` on the event loop; concurrent requests' counts share a statement."""
+    row = await reader.fetch_keyed(_SQL_QUEUE_POSITION, job_id)
+    return int(row[1]) if row is not None else 1
 
 
 def job_exists(session: Reader, principal: Principal, job_id: str) -> bool:

@@ -272,15 +272,17 @@ async def get_job_answer(services: Services, principal: Principal, job_id: str) 
 
 
 async def _aget(services: Services, principal: Principal, job_id: str) -> Response:
-    """``_get`` on the event loop (PostgreSQL): no thread hop, two statements at most."""
+    """``_get`` on the event loop (PostgreSQL): the database writes the JSON (see
+    ``crud.aget_job_json``), and concurrent requests' reads share one statement; a queued
+    job's position (when a worker serves its queue) takes a second, shared the same way."""
     reader = services.areader
     assert reader is not None
-    row, attempts = await crud.aget_job_with_attempts(reader, principal, job_id)
-    if row is None:
+    found = await crud.aget_job_json(reader, principal, job_id)
+    if found is None:
         raise NotFound(f"job {job_id} not found")
+    status, queue, head, tail = found
     reason = None
-    if row["status"] == "queued":
-        queue = row["queue"]
+    if status == "queued":
         try:
             workers = await services.alive_workers()
         except RedisError:
@@ -289,9 +291,10 @@ async def _aget(services: Services, principal: Principal, job_id: str) -> Respon
             if not any(queue in (w.get("queues") or ()) for w in workers):
                 reason = f"no worker serves queue {queue}"
             else:
-                position = await crud.aqueue_position(reader, queue, row["id"])
+                position = await crud.aqueue_position(reader, job_id)
                 reason = f"position {position} in queue {queue}"
-    return _json(job_out(row, attempts, reason))
+    body = f"{head}{json.dumps(reason)}{tail}".encode()
+    return Response(body, media_type="application/json")
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(401, 404))
