@@ -97,6 +97,8 @@ async def get_principal(request: Request) -> Principal:
     try:
         return tokens.resolve_cached(header)
     except LookupError:
+        if services.areader is not None:
+            return await tokens.aresolve(header, services.areader)
         return await run_in_threadpool(tokens.resolve, header)
 
 
