@@ -39,6 +39,7 @@ from service.reconcile import Reconciler
 from service.routes import health, jobs, streams, workers
 from service.settings import Settings
 from service.sse import StreamHub
+from service.submit import GroupCommit
 from trainer.events import Keys
 
 __all__ = ["app", "build_services", "create_app"]
@@ -239,6 +240,8 @@ def build_services(settings: Settings) -> Services:
             timeout=timeout,
         )
     )
+    areader = make_async_reader(settings)
+    dispatcher = Dispatcher(settings)
     return Services(
         settings=settings,
         engine=engine,
@@ -246,9 +249,10 @@ def build_services(settings: Settings) -> Services:
         reader=reader,
         redis=sync,
         aredis=follow,
-        areader=make_async_reader(settings),
+        areader=areader,
         hub=StreamHub(follow, ping_s=settings.sse_ping_s, queue_size=settings.sse_queue_size),
-        dispatcher=Dispatcher(settings),
+        dispatcher=dispatcher,
+        submits=GroupCommit(areader, dispatcher) if areader is not None else None,
         tokens=TokenCache(reader.connect, settings.token_cache_s),
         keys=Keys(settings.redis_prefix),
     )

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
@@ -36,6 +38,7 @@ from service.schemas import AttemptOut, JobOut, JobSpec, LatestMetrics
 from trainer.events import NODE_SEQ_SHIFT
 
 __all__ = [
+    "acreate_jobs",
     "aget_job_json",
     "aqueue_position",
     "attempts_of",
@@ -43,6 +46,7 @@ __all__ = [
     "decode_cursor",
     "encode_cursor",
     "get_job",
+    "job_row",
     "list_jobs",
     "log_chunks",
     "metric_points",
@@ -73,16 +77,9 @@ _INSERT_JOB_AND_ATTEMPT = insert(ATTEMPTS).from_select(
 )
 
 
-def create_job(
-    session: Session | Connection, principal: Principal, spec: JobSpec, idempotency_key: str | None
-) -> tuple[dict[str, Any], bool]:
-    """Insert a queued job and its first attempt; (row, created). The same idempotency key
-    with the same spec returns the existing job, with another spec raises Conflict. On
-    PostgreSQL ``session`` may be an autocommit Connection (a data-modifying CTE then inserts
-    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs."""
-    spec_hash = spec.spec_hash()
-    now = utcnow()
-    row: dict[str, Any] = {
+def job_row(principal: Principal, spec: JobSpec, idempotency_key: str | None) -> dict[str, Any]:
+    """A new queued job's row (every column), as create_job and acreate_jobs insert it."""
+    return {
         "id": new_job_id(),
         "owner": principal.name,
         "name": spec.name,
@@ -93,20 +90,31 @@ def create_job(
         "max_runtime_s": spec.max_runtime_s,
         "retries": spec.retries,
         "train": spec.train.model_dump(mode="json"),
-        "spec_hash": spec_hash,
+        "spec_hash": spec.spec_hash(),
         "idempotency_key": idempotency_key,
         "status": "queued",
         "reason": None,
         "message": None,
         "attempt": 1,
         "retries_used": 0,
-        "created_at": now,
+        "created_at": utcnow(),
         "started_at": None,
         "ended_at": None,
         "metric_attempt": None,
         "last_step": None,
         "last_metrics": None,
     }
+
+
+def create_job(
+    session: Session | Connection, principal: Principal, spec: JobSpec, idempotency_key: str | None
+) -> tuple[dict[str, Any], bool]:
+    """Insert a queued job and its first attempt; (row, created). The same idempotency key
+    with the same spec returns the existing job, with another spec raises Conflict. On
+    PostgreSQL ``session`` may be an autocommit Connection (a data-modifying CTE then inserts
+    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs."""
+    row = job_row(principal, spec, idempotency_key)
+    spec_hash, now = row["spec_hash"], row["created_at"]
     try:
         if isinstance(session, Connection):
             # An autocommit PostgreSQL connection: the job and its attempt in one atomic
@@ -150,6 +158,37 @@ def create_job(
             " with a different spec"
         )
     return dict(existing), False
+
+
+# Many new jobs and their first attempts in one statement (so one commit): group commit of
+# concurrent submits (service.submit). The rows go as one JSON array (one json.dumps in C,
+# instead of adapting each value of each row); the text stays the same for any number of
+# rows, so it stays prepared. The JSON columns keep the text json.dumps gave them, as when
+# SQLAlchemy inserts one. A job whose Idempotency-Key its owner already used is skipped (ON
+# CONFLICT DO NOTHING, which waits for a concurrent insert of that key to end) and left out
+# of the ids returned: create_job, one by one, answers it.
+_NEW_JOB_COLUMNS = [
+    "id", "owner", "name", "queue", "labels", "nodes", "procs_per_node", "max_runtime_s",
+    "retries", "train", "spec_hash", "idempotency_key", "status", "attempt", "retries_used",
+    "created_at",
+]  # fmt: skip
+_SQL_CREATE_JOBS = (
+    f"WITH new_jobs AS (INSERT INTO jobs ({', '.join(_NEW_JOB_COLUMNS)})"
+    f" SELECT {', '.join(_NEW_JOB_COLUMNS)}"
+    " FROM json_populate_recordset(NULL::jobs, %(rows)s::json)"
+    " ON CONFLICT (owner, idempotency_key) DO NOTHING RETURNING id, created_at)"
+    " INSERT INTO attempts (job_id, number, status, free, created_at)"
+    " SELECT id, 1, 'dispatched', false, created_at FROM new_jobs RETURNING job_id"
+)
+
+
+async def acreate_jobs(reader: AsyncReader, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert ``job_row``s and their first attempts, committed together; the ids inserted."""
+    payload = json.dumps(
+        [{c: r[c] for c in _NEW_JOB_COLUMNS} for r in rows], default=datetime.isoformat
+    )
+    found = await reader.fetch(_SQL_CREATE_JOBS, {"rows": payload}, tuples=True)
+    return {row[0] for row in found}
 
 
 def get_job(session: Reader, principal: Principal, job_id: str) -> RowMapping | None:

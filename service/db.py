@@ -179,9 +179,11 @@ class AsyncReader:
         return None
 
     async def fetch(
-        self, sql: str, params: Mapping[str, Any], *, tuples: bool = False
+        self, sql: str, params: Mapping[str, Any] | None, *, tuples: bool = False
     ) -> list[Any]:
-        """Rows of one statement, as dicts by column label (or tuples); one round trip."""
+        """Rows of one statement, as dicts by column label (or tuples); one round trip.
+        Without ``params``, ``sql`` may be several statements (the simple query protocol);
+        what returns no rows returns ``[]``. Autocommit: a write is committed on return."""
         psycopg = self._psycopg
         pool = self._pool()
         # All in use: wait, but not forever (a timer costs, so only here).
@@ -206,12 +208,12 @@ class AsyncReader:
                     )
             cur = conn.cursor(row_factory=self._tuple_row) if tuples else conn.cursor()
             await cur.execute(sql, params)
-            rows: list[Any] = await cur.fetchall()
+            rows: list[Any] = await cur.fetchall() if cur.description is not None else []
         except BaseException as err:
             if conn is not None:
                 conn.pgconn.finish()  # its state is unknown: never reuse it
             if isinstance(err, psycopg.OperationalError | psycopg.InterfaceError | TimeoutError):
-                raise exc.OperationalError(sql, dict(params), err) from err
+                raise exc.OperationalError(sql, dict(params or {}), err) from err
             raise
         else:
             pool.idle.append(conn)
