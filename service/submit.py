@@ -100,7 +100,7 @@ class GroupCommit:
     """Group commit of concurrent submits (PostgreSQL), per event loop."""
 
     MAX_ROWS = 500  # per statement
-    IN_FLIGHT = 2  # batches under way at once; more submits wait and share the next one
+    IN_FLIGHT = 4  # batches under way at once; more submits wait and share the next one
 
     def __init__(self, reader: AsyncReader, dispatcher: Dispatcher) -> None:
         self.reader = reader
