@@ -149,11 +149,13 @@ class GroupCommit:
                         future.set_exception(err)
                 return
             committed = [row for row, _ in batch if row["id"] in inserted]
-            if committed and not self.dispatcher.backing_off:
-                await self._send(committed)
-            for row, future in batch:
-                if not future.done():
-                    future.set_result(row["id"] in inserted)
+            try:
+                if committed and not self.dispatcher.backing_off:
+                    await self._send(committed)
+            finally:  # committed whatever happened to the send: the reconciler has the rest
+                for row, future in batch:
+                    if not future.done():
+                        future.set_result(row["id"] in inserted)
 
     async def _send(self, rows: list[dict[str, Any]]) -> None:
         count = await run_in_threadpool(self.dispatcher.send_batch, rows, 1)
