@@ -16,12 +16,16 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import Unauthorized
 from service.models import ApiToken, utcnow
+
+if TYPE_CHECKING:
+    from service.db import AsyncReader
 
 __all__ = [
     "ANONYMOUS",
@@ -85,6 +89,13 @@ def _bearer(authorization: str | None) -> str:
     return token
 
 
+# aresolve's lookup, keyed by the token's hash (AsyncReader.fetch_keyed).
+_SQL_TOKEN = (
+    "SELECT token_hash, name, admin FROM api_tokens"
+    " WHERE token_hash = ANY(%(keys)s) AND revoked_at IS NULL"
+)
+
+
 class TokenCache:
     """Resolves a bearer token to its principal, remembering answers for ``ttl_s``."""
 
@@ -113,13 +124,35 @@ class TokenCache:
             principal = hit[1]
         else:
             principal = self._lookup(digest)
-            with self._lock:
-                if len(self._cache) > 10_000:  # unknown tokens must not grow it forever
-                    self._cache.clear()
-                self._cache[digest] = (now, principal)
+            self._remember(digest, now, principal)
         if principal is None:
             raise Unauthorized("unknown or revoked token")
         return principal
+
+    async def aresolve(self, authorization: str | None, reader: AsyncReader) -> Principal:
+        """``resolve`` on the event loop (PostgreSQL). When an entry expires under load, the
+        requests holding that token look it up together, in one statement, instead of one
+        thread-pool hop and query each (a stall every ``ttl_s`` on a busy replica)."""
+        digest = hash_token(_bearer(authorization))
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and now - hit[0] < self._ttl:
+            principal = hit[1]
+        else:
+            row = await reader.fetch_keyed(_SQL_TOKEN, digest)
+            principal = None
+            if row is not None and hmac.compare_digest(row[0], digest):
+                principal = Principal(row[1], bool(row[2]))
+            self._remember(digest, now, principal)
+        if principal is None:
+            raise Unauthorized("unknown or revoked token")
+        return principal
+
+    def _remember(self, digest: str, now: float, principal: Principal | None) -> None:
+        with self._lock:
+            if len(self._cache) > 10_000:  # unknown tokens must not grow it forever
+                self._cache.clear()
+            self._cache[digest] = (now, principal)
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._connect() as conn:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import (
     Connection,
     Float,
@@ -28,20 +31,22 @@ from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
 from service.auth import Principal
-from service.db import AsyncReader, pg_sql
+from service.db import AsyncReader
 from service.errors import Conflict, InvalidInput
 from service.models import ATTEMPTS, JOBS, LOGS, METRICS, new_job_id, utcnow
-from service.schemas import JobSpec
+from service.schemas import AttemptOut, JobOut, JobSpec, LatestMetrics
 from trainer.events import NODE_SEQ_SHIFT
 
 __all__ = [
-    "aget_job_with_attempts",
+    "acreate_jobs",
+    "aget_job_json",
     "aqueue_position",
     "attempts_of",
     "create_job",
     "decode_cursor",
     "encode_cursor",
     "get_job",
+    "job_row",
     "list_jobs",
     "log_chunks",
     "metric_points",
@@ -72,16 +77,9 @@ _INSERT_JOB_AND_ATTEMPT = insert(ATTEMPTS).from_select(
 )
 
 
-def create_job(
-    session: Session | Connection, principal: Principal, spec: JobSpec, idempotency_key: str | None
-) -> tuple[dict[str, Any], bool]:
-    """Insert a queued job and its first attempt; (row, created). The same idempotency key
-    with the same spec returns the existing job, with another spec raises Conflict. On
-    PostgreSQL ``session`` may be an autocommit Connection (a data-modifying CTE then inserts
-    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs."""
-    spec_hash = spec.spec_hash()
-    now = utcnow()
-    row: dict[str, Any] = {
+def job_row(principal: Principal, spec: JobSpec, idempotency_key: str | None) -> dict[str, Any]:
+    """A new queued job's row (every column), as create_job and acreate_jobs insert it."""
+    return {
         "id": new_job_id(),
         "owner": principal.name,
         "name": spec.name,
@@ -92,20 +90,31 @@ def create_job(
         "max_runtime_s": spec.max_runtime_s,
         "retries": spec.retries,
         "train": spec.train.model_dump(mode="json"),
-        "spec_hash": spec_hash,
+        "spec_hash": spec.spec_hash(),
         "idempotency_key": idempotency_key,
         "status": "queued",
         "reason": None,
         "message": None,
         "attempt": 1,
         "retries_used": 0,
-        "created_at": now,
+        "created_at": utcnow(),
         "started_at": None,
         "ended_at": None,
         "metric_attempt": None,
         "last_step": None,
         "last_metrics": None,
     }
+
+
+def create_job(
+    session: Session | Connection, principal: Principal, spec: JobSpec, idempotency_key: str | None
+) -> tuple[dict[str, Any], bool]:
+    """Insert a queued job and its first attempt; (row, created). The same idempotency key
+    with the same spec returns the existing job, with another spec raises Conflict. On
+    PostgreSQL ``session`` may be an autocommit Connection (a data-modifying CTE then inserts
+    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs."""
+    row = job_row(principal, spec, idempotency_key)
+    spec_hash, now = row["spec_hash"], row["created_at"]
     try:
         if isinstance(session, Connection):
             # An autocommit PostgreSQL connection: the job and its attempt in one atomic
@@ -149,6 +158,37 @@ def create_job(
             " with a different spec"
         )
     return dict(existing), False
+
+
+# Many new jobs and their first attempts in one statement (so one commit): group commit of
+# concurrent submits (service.submit). The rows go as one JSON array (one json.dumps in C,
+# instead of adapting each value of each row); the text stays the same for any number of
+# rows, so it stays prepared. The JSON columns keep the text json.dumps gave them, as when
+# SQLAlchemy inserts one. A job whose Idempotency-Key its owner already used is skipped (ON
+# CONFLICT DO NOTHING, which waits for a concurrent insert of that key to end) and left out
+# of the ids returned: create_job, one by one, answers it.
+_NEW_JOB_COLUMNS = [
+    "id", "owner", "name", "queue", "labels", "nodes", "procs_per_node", "max_runtime_s",
+    "retries", "train", "spec_hash", "idempotency_key", "status", "attempt", "retries_used",
+    "created_at",
+]  # fmt: skip
+_SQL_CREATE_JOBS = (
+    f"WITH new_jobs AS (INSERT INTO jobs ({', '.join(_NEW_JOB_COLUMNS)})"
+    f" SELECT {', '.join(_NEW_JOB_COLUMNS)}"
+    " FROM json_populate_recordset(NULL::jobs, %(rows)s::json)"
+    " ON CONFLICT (owner, idempotency_key) DO NOTHING RETURNING id, created_at)"
+    " INSERT INTO attempts (job_id, number, status, free, created_at)"
+    " SELECT id, 1, 'dispatched', false, created_at FROM new_jobs RETURNING job_id"
+)
+
+
+async def acreate_jobs(reader: AsyncReader, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert ``job_row``s and their first attempts, committed together; the ids inserted."""
+    payload = json.dumps(
+        [{c: r[c] for c in _NEW_JOB_COLUMNS} for r in rows], default=datetime.isoformat
+    )
+    found = await reader.fetch(_SQL_CREATE_JOBS, {"rows": payload}, tuples=True)
+    return {row[0] for row in found}
 
 
 def get_job(session: Reader, principal: Principal, job_id: str) -> RowMapping | None:
@@ -211,38 +251,115 @@ def _split_attempts(rows: list[Any]) -> tuple[Any, list[dict[str, Any]]]:
     return rows[0], attempts
 
 
-# The same reads as text for the event-loop reader on PostgreSQL (compiled once, here).
-_SQL_JOB_WITH_ATTEMPTS = pg_sql(_JOB_WITH_ATTEMPTS)
-_SQL_OWN_JOB_WITH_ATTEMPTS = pg_sql(_OWN_JOB_WITH_ATTEMPTS)
-_SQL_QUEUE_POSITION = pg_sql(
-    select(func.count())
-    .select_from(JOBS)
-    .where(
-        JOBS.c.queue == bindparam("queue"),
-        JOBS.c.status == bindparam("status"),
-        JOBS.c.id < bindparam("job_id"),
-    )
+# The queue position as text for the event-loop reader on PostgreSQL (compiled once, here).
+# A queued job's position (1 + the queued jobs of its queue submitted before it), keyed by
+# job id for AsyncReader.fetch_keyed. The (queue, status, id) index serves the count.
+_SQL_QUEUE_POSITION = (
+    "SELECT j.id, 1 + (SELECT count(*) FROM jobs q WHERE q.queue = j.queue"
+    " AND q.status = 'queued' AND q.id < j.id) FROM jobs j WHERE j.id = ANY(%(keys)s)"
 )
 
 
-async def aget_job_with_attempts(
-    reader: AsyncReader, principal: Principal, job_id: str
-) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """``get_job_with_attempts`` on the event loop (PostgreSQL)."""
-    if principal.admin:
-        rows = await reader.fetch(_SQL_JOB_WITH_ATTEMPTS, {"job_id": job_id})
-    else:
-        rows = await reader.fetch(
-            _SQL_OWN_JOB_WITH_ATTEMPTS, {"job_id": job_id, "owner": principal.name}
-        )
-    return _split_attempts(rows)
+# --- GET /v1/jobs/{id} on PostgreSQL: the answer's JSON built by the database --------------
+#
+# The JSON of JobOut, field for field in the schema's order, as compact as pydantic writes it
+# (datetimes in UTC with "Z", microseconds only when not zero); the stored JSON columns
+# (labels, train, the latest metrics' values) are spliced in as stored, not parsed and
+# re-serialized: the same values, though a number may be spelled differently (1e-08 where
+# pydantic writes 1e-8). Only pending_reason is left to the caller, which needs Redis for
+# it: the row holds the text before it (``head``) and after it (``tail``).
+# tests/service/test_job_json.py checks this against job_out(), the pydantic answer.
 
 
-async def aqueue_position(reader: AsyncReader, queue: str, job_id: str) -> int:
-    rows = await reader.fetch(
-        _SQL_QUEUE_POSITION, {"queue": queue, "status": "queued", "job_id": job_id}
+def _json_value(expr: str) -> str:
+    return f"coalesce(to_json({expr})::text, 'null')"
+
+
+def _json_time(expr: str) -> str:
+    utc = f"({expr} AT TIME ZONE 'UTC')"
+    return (
+        f"CASE WHEN {expr} IS NULL THEN 'null' ELSE"
+        f" '\"' || to_char({utc}, 'YYYY-MM-DD\"T\"HH24:MI:SS')"
+        f" || CASE to_char({utc}, 'US') WHEN '000000' THEN '' ELSE '.' || to_char({utc}, 'US') END"
+        " || 'Z\"' END"
     )
-    return int(next(iter(rows[0].values()))) + 1
+
+
+def _json_members(fields: list[tuple[str, str]], first: bool) -> str:
+    """SQL concatenating ``"name":value`` pairs (values are SQL expressions of JSON text)."""
+    pieces = []
+    for i, (name, value) in enumerate(fields):
+        sep = "{" if first and i == 0 else ","
+        pieces.append(f"'{sep}\"{name}\":' || {value}")
+    return " || ".join(pieces)
+
+
+def _schema_members(
+    model: type[BaseModel], alias: str, special: dict[str, str]
+) -> list[tuple[str, str]]:
+    members = []
+    for name in model.model_fields:
+        if name in special:
+            members.append((name, special[name]))
+        elif name.endswith("_at"):
+            members.append((name, _json_time(f"{alias}.{name}")))
+        else:
+            members.append((name, _json_value(f"{alias}.{name}")))
+    return members
+
+
+_LATEST = (
+    "CASE WHEN json_typeof(j.last_metrics) = 'object' THEN "
+    + _json_members(
+        [
+            (n, f"coalesce((j.last_metrics -> '{n}')::text, 'null')")
+            for n in LatestMetrics.model_fields
+        ],
+        first=True,
+    )
+    + " || '}' ELSE 'null' END"
+)
+_ATTEMPTS = (
+    "'[' || coalesce((SELECT string_agg("
+    + _json_members(_schema_members(AttemptOut, "a", {}), first=True)
+    + " || '}', ',' ORDER BY a.number) FROM attempts a WHERE a.job_id = j.id), '') || ']'"
+)
+_JOB_MEMBERS = _schema_members(
+    JobOut,
+    "j",
+    {
+        "labels": "j.labels::text",
+        "train": "j.train::text",
+        "latest": _LATEST,
+        "pending_reason": "",
+        "attempts": _ATTEMPTS,
+    },
+)
+_SPLIT = [name for name, _ in _JOB_MEMBERS].index("pending_reason")
+_SQL_JOB_JSON = (
+    "SELECT j.id, j.owner, j.status, j.queue, "
+    + _json_members(_JOB_MEMBERS[:_SPLIT], first=True)
+    + " || ',\"pending_reason\":' AS head, "
+    + (_json_members(_JOB_MEMBERS[_SPLIT + 1 :], first=False) + " || '}'")
+    + " AS tail FROM jobs j WHERE j.id = ANY(%(keys)s)"
+)
+
+
+async def aget_job_json(
+    reader: AsyncReader, principal: Principal, job_id: str
+) -> tuple[str, str, str, str] | None:
+    """(status, queue, head, tail) of a job the principal may see, or None; concurrent
+    requests' reads share one statement (``AsyncReader.fetch_keyed``)."""
+    row = await reader.fetch_keyed(_SQL_JOB_JSON, job_id)
+    if row is None or not principal.can_see(row[1]):
+        return None
+    return row[2], row[3], row[4], row[5]
+
+
+async def aqueue_position(reader: AsyncReader, job_id: str) -> int:
+    """``queue_position`` on the event loop; concurrent requests' counts share a statement."""
+    row = await reader.fetch_keyed(_SQL_QUEUE_POSITION, job_id)
+    return int(row[1]) if row is not None else 1
 
 
 def job_exists(session: Reader, principal: Principal, job_id: str) -> bool:

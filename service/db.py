@@ -113,10 +113,14 @@ def pg_sql(stmt: ClauseElement) -> str:
 
 
 class _LoopPool:
-    def __init__(self, loop: asyncio.AbstractEventLoop, size: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int, batches: int) -> None:
         self.loop = loop
         self.idle: list[Any] = []
         self.slots = asyncio.Semaphore(size)
+        # fetch_keyed: the keys waiting for the next statement, per statement, and how many
+        # of those statements may be at the database at once.
+        self.waiting: dict[str, dict[str, asyncio.Future[Any]]] = {}
+        self.batch_slots = asyncio.Semaphore(batches)
 
 
 class AsyncReader:
@@ -125,16 +129,23 @@ class AsyncReader:
     Connections belong to the event loop that opened them (a test may run the app on more
     than one loop in turn); a failure to connect or a broken connection is raised as
     SQLAlchemy's ``OperationalError``, so the app's handler answers 503 as for the engine.
+
+    ``fetch_keyed`` coalesces: the reads of one statement that concurrent requests ask for
+    while a batch is on its way go to the database together, as one statement over an array
+    of keys. Each request still reads after it arrived (its key is sent after it asked), so
+    nothing is served from before the request; a busy loop pays one round trip for many.
     """
 
-    def __init__(self, url: str, *, size: int, timeout_s: float) -> None:
+    def __init__(self, url: str, *, size: int, timeout_s: float, batches: int = 4) -> None:
         import psycopg
-        from psycopg.rows import dict_row
+        from psycopg.rows import dict_row, tuple_row
 
         self._psycopg = psycopg
         self._row_factory = dict_row
+        self._tuple_row = tuple_row
         self.conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
         self.size = size
+        self.batches = min(batches, size)
         self.timeout_s = timeout_s
         self._pools: dict[int, _LoopPool] = {}
 
@@ -146,7 +157,7 @@ class AsyncReader:
                 if old.loop.is_closed():
                     self._finish(old.idle)
                     del self._pools[key]
-            pool = self._pools[id(loop)] = _LoopPool(loop, self.size)
+            pool = self._pools[id(loop)] = _LoopPool(loop, self.size, self.batches)
         return pool
 
     @staticmethod
@@ -167,8 +178,12 @@ class AsyncReader:
             conn.pgconn.finish()  # the server closed it (restart, failover): connect anew
         return None
 
-    async def fetch(self, sql: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Rows of one statement, as dicts by column label; one round trip."""
+    async def fetch(
+        self, sql: str, params: Mapping[str, Any] | None, *, tuples: bool = False
+    ) -> list[Any]:
+        """Rows of one statement, as dicts by column label (or tuples); one round trip.
+        Without ``params``, ``sql`` may be several statements (the simple query protocol);
+        what returns no rows returns ``[]``. Autocommit: a write is committed on return."""
         psycopg = self._psycopg
         pool = self._pool()
         # All in use: wait, but not forever (a timer costs, so only here).
@@ -191,19 +206,54 @@ class AsyncReader:
                         row_factory=self._row_factory,
                         connect_timeout=max(1, int(self.timeout_s)),
                     )
-            cur = await conn.execute(sql, params)
-            rows: list[dict[str, Any]] = await cur.fetchall()
+            cur = conn.cursor(row_factory=self._tuple_row) if tuples else conn.cursor()
+            await cur.execute(sql, params)
+            rows: list[Any] = await cur.fetchall() if cur.description is not None else []
         except BaseException as err:
             if conn is not None:
                 conn.pgconn.finish()  # its state is unknown: never reuse it
             if isinstance(err, psycopg.OperationalError | psycopg.InterfaceError | TimeoutError):
-                raise exc.OperationalError(sql, dict(params), err) from err
+                raise exc.OperationalError(sql, dict(params or {}), err) from err
             raise
         else:
             pool.idle.append(conn)
             return rows
         finally:
             pool.slots.release()
+
+    async def fetch_keyed(self, sql: str, key: str) -> tuple[Any, ...] | None:
+        """The row of ``sql`` whose first column is ``key``, or None; coalesced with the other
+        keys asked for meanwhile (``sql`` reads the text array ``%(keys)s``)."""
+        pool = self._pool()
+        waiting = pool.waiting.get(sql)
+        if waiting is None:
+            waiting = pool.waiting[sql] = {}
+            pool.loop.create_task(self._fetch_batch(pool, sql))
+        future = waiting.get(key)
+        if future is None:
+            future = waiting[key] = pool.loop.create_future()
+        # Shielded: a request that goes away must not cancel the future others share.
+        row: tuple[Any, ...] | None = await asyncio.shield(future)
+        return row
+
+    async def _fetch_batch(self, pool: _LoopPool, sql: str) -> None:
+        # Started by the first key; it waits its turn (and one loop tick, as a new task),
+        # gathering the keys that arrive meanwhile, then takes them all.
+        async with pool.batch_slots:
+            waiting = pool.waiting.pop(sql)
+            try:
+                rows = await self.fetch(sql, {"keys": list(waiting)}, tuples=True)
+            except BaseException as err:
+                for future in waiting.values():
+                    if not future.done():
+                        future.set_exception(err)
+                if not isinstance(err, Exception):
+                    raise
+                return
+        found = {row[0]: row for row in rows}
+        for key, future in waiting.items():
+            if not future.done():
+                future.set_result(found.get(key))
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -24,6 +24,7 @@ from service.db import AsyncReader
 from service.dispatch import Dispatcher
 from service.settings import Settings
 from service.sse import StreamHub
+from service.submit import GroupCommit
 from trainer.events import Keys
 
 __all__ = ["PrincipalDep", "Services", "ServicesDep", "get_principal", "get_services"]
@@ -40,6 +41,7 @@ class Services:
     hub: StreamHub  # one reader per followed job stream in this process
     areader: AsyncReader | None  # PostgreSQL reads on the event loop (None on SQLite)
     dispatcher: Dispatcher
+    submits: GroupCommit | None  # concurrent submits committed together (None on SQLite)
     tokens: TokenCache
     keys: Keys
     _workers: tuple[float, list[dict[str, Any]]] = (0.0, [])
@@ -97,6 +99,8 @@ async def get_principal(request: Request) -> Principal:
     try:
         return tokens.resolve_cached(header)
     except LookupError:
+        if services.areader is not None:
+            return await tokens.aresolve(header, services.areader)
         return await run_in_threadpool(tokens.resolve, header)
 
 

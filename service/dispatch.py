@@ -12,6 +12,7 @@ counts as sent once all N are, and a resend sends all N again (each node claims 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,10 @@ __all__ = ["Dispatcher", "dispatch_attempts", "job_message"]
 log = logging.getLogger(__name__)
 
 
+class _Unsent(Exception):
+    """``send`` failed inside ``send_batch`` (and logged why)."""
+
+
 class Dispatcher:
     """A minimal Celery client: ``send_task`` only, created on first use (Celery is slow to
     import, and most processes that load ``service`` never send)."""
@@ -39,6 +44,7 @@ class Dispatcher:
         self._celery: Any = None
         self._lock = threading.Lock()
         self._failed_at = 0.0
+        self._batch = threading.local()  # send_batch's producer, which send() then uses
 
     def _app(self) -> Any:
         with self._lock:
@@ -75,6 +81,7 @@ class Dispatcher:
                 args=[message.to_json()],
                 queue=message.queue,
                 retry=False,
+                producer=getattr(self._batch, "producer", None),
                 # Celery would saferepr() the whole spec for these headers: a third of a send.
                 argsrepr=(
                     f"(job {message.job_id} attempt {message.attempt} node {message.node_rank})"
@@ -93,6 +100,32 @@ class Dispatcher:
     def send_attempt(self, row: Mapping[Any, Any], attempt: int) -> bool:
         """Send one attempt of a job row: a message per node; False at the first refused."""
         return all(self.send(job_message(row, attempt, n)) for n in range(int(row["nodes"])))
+
+    def send_batch(self, rows: Iterable[Mapping[Any, Any]], attempt: int) -> int:
+        """``send_attempt`` of each row, in one pipelined write to the broker (kombu's
+        publish batch); how many rows went out, in order. A failed write counts as none,
+        since delivery is then uncertain (the reconciler resends; the worker's claim drops
+        a duplicate)."""
+        count = 0
+        batch = None
+        try:
+            with self._app().producer_or_acquire() as producer:
+                batch = getattr(producer, "batch", None)  # kombu >= 5.7; else one by one
+                with batch() if batch is not None else contextlib.nullcontext():
+                    self._batch.producer = producer
+                    try:
+                        for row in rows:
+                            if not self.send_attempt(row, attempt):
+                                raise _Unsent  # discards what the batch holds
+                            count += 1
+                    finally:
+                        del self._batch.producer
+        except Exception as exc:  # kombu's BatchPublishError, redis errors, OSError
+            self._failed_at = time.monotonic()
+            if not isinstance(exc, _Unsent):
+                log.warning("send of %d attempts failed: %s", count, exc)
+            return 0 if batch is not None else count
+        return count
 
     def close(self) -> None:
         with self._lock:

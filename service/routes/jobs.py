@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Annotated, Any
 
@@ -11,18 +10,17 @@ import yaml
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import ValidationError
 from redis import RedisError
-from sqlalchemy import bindparam, update
 from starlette.concurrency import run_in_threadpool
 
 from service import crud
 from service.auth import Principal
 from service.deps import PrincipalDep, Services, ServicesDep
 from service.errors import InvalidInput, NotFound
-from service.models import ATTEMPTS, utcnow
 from service.notify import publish_status, signal_cancel
 from service.routes import errors
 from service.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary
 from service.state import cancel_job
+from service.submit import submit_one
 from trainer.config import ConfigError, resolve_data_path
 
 __all__ = ["JobId", "get_job_answer", "job_out", "openapi_components", "router"]
@@ -108,52 +106,6 @@ def _json(model: Any, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-_MARK_SENT = (
-    update(ATTEMPTS)
-    .where(ATTEMPTS.c.job_id == bindparam("job"), ATTEMPTS.c.number == 1)
-    .values(sent_at=bindparam("sent"))
-)
-
-
-def _submit(
-    services: Services, principal: Principal, spec: JobSpec, key: str | None
-) -> tuple[dict[str, Any], bool]:
-    postgres = services.areader is not None
-    if postgres:
-        with services.reader.connect() as conn:  # autocommit: one statement, one round trip
-            row, created = crud.create_job(conn, principal, spec, key)
-    else:
-        with services.sessions() as session:
-            row, created = crud.create_job(session, principal, spec, key)
-    # Committed first, sent second: a failed send leaves it for the reconciler.
-    dispatcher = services.dispatcher
-    if created and not dispatcher.backing_off and dispatcher.send_attempt(row, 1):
-        if postgres:
-            _mark_sent_pg(services, row["id"])
-        else:
-            with services.engine.begin() as conn:
-                conn.execute(_MARK_SENT, {"job": row["id"], "sent": utcnow()})
-    return row, created
-
-
-_HEX_ID = re.compile(r"[0-9a-f]{1,32}")
-
-
-def _mark_sent_pg(services: Services, job_id: str) -> None:
-    """sent_at in one round trip, without waiting for the WAL flush: a sent_at lost in a
-    crash only means the reconciler sends again, which the worker's SET NX claim makes
-    harmless. Several statements go in one simple query, which takes no parameters; the
-    id is one this process generated, checked to be hex before it is written in."""
-    if not _HEX_ID.fullmatch(job_id):
-        raise ValueError(f"not a job id: {job_id!r}")
-    with services.reader.connect() as conn:
-        conn.connection.driver_connection.execute(  # type: ignore[union-attr]
-            "BEGIN; SET LOCAL synchronous_commit = off;"
-            f" UPDATE attempts SET sent_at = now() WHERE job_id = '{job_id}' AND number = 1;"
-            " COMMIT"
-        )
-
-
 _SPEC_BODY = {"$ref": "#/components/schemas/JobSpec"}
 
 
@@ -192,7 +144,13 @@ async def submit_job(
     """Submit a training job (JSON or YAML body); a repeated Idempotency-Key returns its job."""
     raw = await request.body()
     spec = parse_spec(raw, request.headers.get("content-type"), services.settings.data_root)
-    row, created = await run_in_threadpool(_submit, services, principal, spec, idempotency_key)
+    row = crud.job_row(principal, spec, idempotency_key)
+    if services.submits is not None and await services.submits.add(row):
+        created = True  # committed with the other submits of its batch (service.submit)
+    else:
+        row, created = await run_in_threadpool(
+            submit_one, services, principal, spec, idempotency_key
+        )
     first = {
         "number": 1,
         "status": "dispatched",
@@ -272,15 +230,17 @@ async def get_job_answer(services: Services, principal: Principal, job_id: str) 
 
 
 async def _aget(services: Services, principal: Principal, job_id: str) -> Response:
-    """``_get`` on the event loop (PostgreSQL): no thread hop, two statements at most."""
+    """``_get`` on the event loop (PostgreSQL): the database writes the JSON (see
+    ``crud.aget_job_json``), and concurrent requests' reads share one statement; a queued
+    job's position (when a worker serves its queue) takes a second, shared the same way."""
     reader = services.areader
     assert reader is not None
-    row, attempts = await crud.aget_job_with_attempts(reader, principal, job_id)
-    if row is None:
+    found = await crud.aget_job_json(reader, principal, job_id)
+    if found is None:
         raise NotFound(f"job {job_id} not found")
+    status, queue, head, tail = found
     reason = None
-    if row["status"] == "queued":
-        queue = row["queue"]
+    if status == "queued":
         try:
             workers = await services.alive_workers()
         except RedisError:
@@ -289,9 +249,10 @@ async def _aget(services: Services, principal: Principal, job_id: str) -> Respon
             if not any(queue in (w.get("queues") or ()) for w in workers):
                 reason = f"no worker serves queue {queue}"
             else:
-                position = await crud.aqueue_position(reader, queue, row["id"])
+                position = await crud.aqueue_position(reader, job_id)
                 reason = f"position {position} in queue {queue}"
-    return _json(job_out(row, attempts, reason))
+    body = f"{head}{json.dumps(reason)}{tail}".encode()
+    return Response(body, media_type="application/json")
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(401, 404))
