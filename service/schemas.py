@@ -43,7 +43,18 @@ UTCDatetime = Annotated[datetime, AfterValidator(_utc)]
 LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 ]
-LabelValue = Annotated[str, StringConstraints(max_length=255)]
+
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text and JSON cannot hold U+0000: refused here as bad input, not later as
+    # a failed statement.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (U+0000) characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
+LabelValue = Annotated[Text, StringConstraints(max_length=255)]
 
 
 class JobSpec(BaseModel):
@@ -51,7 +62,7 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field("job", min_length=1, max_length=200)
+    name: Text = Field("job", min_length=1, max_length=200)
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
     queue: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     nodes: int = Field(1, ge=1, le=1024)

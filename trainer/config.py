@@ -12,7 +12,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "BatchConfig",
@@ -56,6 +63,13 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     # A folder of llm.c-format shards train*.bin / val*.bin, relative to the data root.
     path: str = Field("tiny", min_length=1, max_length=1024)
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\x00" in value:  # no file system takes it; os would raise at the first use
+            raise ValueError("must not contain NUL (U+0000) characters")
+        return value
 
 
 class BatchConfig(_Strict):

@@ -168,6 +168,8 @@ def _labels(values: list[str]) -> list[tuple[str, str]]:
         key, sep, wanted = value.partition(":")
         if not sep or not key:
             raise InvalidInput.at(["query", "label"], f"label filter {value!r} is not key:value")
+        if "\x00" in value:
+            raise InvalidInput.at(["query", "label"], "must not contain NUL (U+0000) characters")
         pairs.append((key, wanted))
     return pairs
 
@@ -183,6 +185,8 @@ def list_jobs(
     cursor: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
     """List jobs newest first, with filters and an opaque keyset cursor."""
+    if name is not None and "\x00" in name:
+        raise InvalidInput.at(["query", "name"], "must not contain NUL (U+0000) characters")
     after = crud.decode_cursor(cursor) if cursor else None
     with services.reader.connect() as session:
         rows, next_cursor = crud.list_jobs(

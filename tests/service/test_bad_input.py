@@ -35,6 +35,10 @@ def _locs(resp: Any) -> list[list[Any]]:
         ({"train": {}, "colour": "red"}, ["body", "colour"]),  # unknown field
         ({"train": {"lr": 1}}, ["body", "train", "lr"]),  # unknown nested field
         ({}, ["body", "train"]),
+        # PostgreSQL cannot store U+0000: refused at the edge, not a failed statement (503)
+        ({"train": {}, "name": "a\x00b"}, ["body", "name"]),
+        ({"train": {}, "labels": {"k": "v\x00"}}, ["body", "labels", "k"]),
+        ({"train": {"data": {"path": "tiny\x00"}}}, ["body", "train", "data", "path"]),
     ],
 )
 def test_invalid_spec_is_422_naming_the_field(api: Api, body: Any, loc: list[Any]) -> None:
@@ -102,6 +106,9 @@ def test_bad_query_parameters(api: Api) -> None:
     ]
     assert api.client.get("/v1/jobs/NOT-HEX", headers=h).status_code == 422
     assert api.client.get("/v1/jobs/abc123", headers=h).status_code == 404
+    for param in ({"name": "a\x00"}, {"label": "k:v\x00"}):
+        key = next(iter(param))
+        assert _locs(api.client.get("/v1/jobs", params=param, headers=h)) == [["query", key]]
 
 
 def test_auth_required_and_scoped(api: Api) -> None:
