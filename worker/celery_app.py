@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, bootsteps, signals
 from kombu import Exchange, Queue
 
 from worker.context import WorkerContext
@@ -39,6 +39,39 @@ app.conf.update(
     # A broker blip must not cancel a run in progress (and early-acked tasks are not redone).
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
+
+
+class PromptResume(bootsteps.StartStopStep):
+    """Ticks the consumer's event loop every ``interval`` s while the worker runs.
+
+    With prefetch disabled, kombu stops reading the queue while every slot is busy and
+    resumes at the event loop's next tick, which may be a second away when nothing else
+    wakes it: a task sent just after a run ended would wait that long. A tick every 50 ms
+    bounds it (each tick is a few microseconds of the worker's own CPU).
+    """
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    interval = 0.05
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._tref: Any = None
+
+    def start(self, parent: Any) -> None:
+        if parent.hub is not None:
+            self._tref = parent.hub.call_repeatedly(self.interval, _nothing)
+
+    def stop(self, parent: Any) -> None:
+        if self._tref is not None:
+            self._tref.cancel()
+            self._tref = None
+
+
+def _nothing() -> None:
+    pass
+
+
+app.steps["consumer"].add(PromptResume)
 
 _context: WorkerContext | None = None
 
