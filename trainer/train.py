@@ -41,6 +41,10 @@ from trainer.parallelize import (
 __all__ = ["build_optimizer", "lr_at", "train"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Progress lines on stdout: the first logged step, then at most one a second (eval and the
+# last step always). Every logged step still goes to metrics.jsonl and Redis; a line per
+# step of a fast model would only flood the log that the worker forwards and the store keeps.
+PRINT_EVERY_S = 1.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -181,6 +185,7 @@ def _run(
         )
 
     model.train()
+    quiet_until = 0.0  # the next progress line to stdout, not before (metrics go every step)
     for step in range(progress.step, cfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -218,7 +223,9 @@ def _run(
             record = window.record(
                 done, cfg.steps, loss=loss_value, lr=lr, grad_norm=grad_norm, val_loss=val_loss
             )
-            _say(env, format_line(record))
+            if val_loss is not None or done == cfg.steps or time.monotonic() >= quiet_until:
+                _say(env, format_line(record))
+                quiet_until = time.monotonic() + PRINT_EVERY_S
             metrics.log(record)
         if stop_now or done == cfg.steps or (every and done % every == 0):
             save(progress)
