@@ -154,6 +154,20 @@ def attempt_exited(
             session, job_id, number, node, nodes, exit_code=exit_code, reason=reason,
             message=message, at=at,
         )  # fmt: skip
+    return _exit(session, job_id, number, exit_code, reason, message, at) or Outcome()
+
+
+def _exit(
+    session: Session,
+    job_id: str,
+    number: int,
+    exit_code: int | None,
+    reason: str | None,
+    message: str,
+    at: datetime,
+    **values: Any,
+) -> Outcome | None:
+    """End a live attempt as exited and settle its job; None if it had already ended."""
     if not _cas_attempt(
         session,
         job_id,
@@ -164,8 +178,9 @@ def attempt_exited(
         reason=reason,
         message=message,
         ended_at=at,
+        **values,
     ):
-        return Outcome()
+        return None
     return _settle(session, job_id, number, reason, message, at)
 
 
@@ -204,20 +219,9 @@ def _node_exited(
         return Outcome()
     if reason is not None:
         message = f"node {node} of {nodes}: {message}"
-    if not _cas_attempt(
-        session,
-        job_id,
-        number,
-        ("dispatched", "running"),
-        status="exited",
-        exit_code=exit_code,
-        reason=reason,
-        message=message,
-        ended_at=at,
-        node_exits=done,
-    ):
+    out = _exit(session, job_id, number, exit_code, reason, message, at, node_exits=done)
+    if out is None:
         return Outcome()
-    out = _settle(session, job_id, number, reason, message, at)
     if reason is not None:
         out.to_stop.append((job_id, number))
     return out
