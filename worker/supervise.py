@@ -18,11 +18,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from trainer.config import ConfigError, resolve_data_path
 from trainer.events import NODE_SEQ_SHIFT, Publisher, worker_source
@@ -35,7 +37,7 @@ from worker.outcome import Outcome, classify, read_exit_json
 from worker.procs import kill_group, signal_group, wait_group_gone
 from worker.watchers import CancelWatch, Heartbeat
 
-__all__ = ["run_attempt"]
+__all__ = ["run_attempt", "write_run_config"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,15 @@ def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
         ctx.untrack(msg.job_id, msg.attempt, node)
     log.info("attempt %s exited: %s", label, outcome)
     return outcome
+
+
+def write_run_config(run_dir: Path, train: dict[str, Any]) -> None:
+    """RUN_DIR/config.json, replaced atomically. Every node of a multi-node attempt writes it
+    into the same (shared) run dir, the same content: each through a temporary file of its
+    own, so one writer's rename can never take another's file from under it."""
+    tmp = run_dir / f".config.json.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
+    tmp.write_text(json.dumps(train, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / "config.json")
 
 
 class _Attempt:
@@ -235,11 +246,7 @@ class _Attempt:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # A retry shares the run dir: an old attempt's failure must not classify this one.
         (run_dir / "exit.json").unlink(missing_ok=True)
-        tmp = run_dir / ".config.json.tmp"
-        tmp.write_text(
-            json.dumps(self.msg.train.model_dump(mode="json"), indent=2) + "\n", encoding="utf-8"
-        )
-        os.replace(tmp, run_dir / "config.json")
+        write_run_config(run_dir, self.msg.train.model_dump(mode="json"))
 
     def _launch_and_watch(self, run_dir: Path, endpoint: str | None) -> Outcome:
         s, msg, ctx = self.s, self.msg, self.ctx

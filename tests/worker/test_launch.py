@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from worker.launch import build_env, build_guard_argv, build_torchrun_argv, safe_job_id
+from worker.supervise import write_run_config
 
 
 def _argv(**kw: object) -> list[str]:
@@ -114,3 +117,27 @@ def test_gpus_are_dealt_to_slots_in_equal_contiguous_shares() -> None:
         split_gpus([0, 1, 2], 2)
     with pytest.raises(ValueError, match="twice"):
         split_gpus([0, 0], 1)
+
+
+def test_nodes_writing_the_run_config_at_once_never_collide(tmp_path: Path) -> None:
+    """Every node of an attempt writes RUN_DIR/config.json into the shared run dir; one
+    node's rename must never take another's temporary file (it did: a node failed 'lost'
+    with FileNotFoundError when two nodes of one job started on the same host together)."""
+    train = {"steps": 5, "model": {"n_layer": 1}}
+    errors: list[BaseException] = []
+
+    def node() -> None:
+        try:
+            for _ in range(300):
+                write_run_config(tmp_path, train)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert json.loads((tmp_path / "config.json").read_text()) == train
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
