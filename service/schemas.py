@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, reject_nul
 
 __all__ = [
     "AttemptOut",
@@ -44,16 +44,7 @@ LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 ]
 
-
-def _no_nul(value: str) -> str:
-    # PostgreSQL text and JSON cannot hold U+0000: refused here as bad input, not later as
-    # a failed statement.
-    if "\x00" in value:
-        raise ValueError("must not contain NUL (U+0000) characters")
-    return value
-
-
-Text = Annotated[str, AfterValidator(_no_nul)]
+Text = Annotated[str, AfterValidator(reject_nul)]
 LabelValue = Annotated[Text, StringConstraints(max_length=255)]
 
 

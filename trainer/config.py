@@ -31,6 +31,7 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "load_config",
+    "reject_nul",
     "resolve_data_path",
 ]
 
@@ -60,16 +61,19 @@ class ModelConfig(_Strict):
         return self
 
 
+def reject_nul(value: str) -> str:
+    """A pydantic validator for spec strings: U+0000 fits neither a file name nor
+    PostgreSQL text, so it is refused as bad input here rather than failing later."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (U+0000) characters")
+    return value
+
+
 class DataConfig(_Strict):
     # A folder of llm.c-format shards train*.bin / val*.bin, relative to the data root.
     path: str = Field("tiny", min_length=1, max_length=1024)
 
-    @field_validator("path")
-    @classmethod
-    def _no_nul(cls, value: str) -> str:
-        if "\x00" in value:  # no file system takes it; os would raise at the first use
-            raise ValueError("must not contain NUL (U+0000) characters")
-        return value
+    _no_nul = field_validator("path")(reject_nul)  # no file system takes it
 
 
 class BatchConfig(_Strict):

@@ -21,7 +21,7 @@ from service.routes import errors
 from service.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary
 from service.state import cancel_job
 from service.submit import submit_one
-from trainer.config import ConfigError, resolve_data_path
+from trainer.config import ConfigError, reject_nul, resolve_data_path
 
 __all__ = ["JobId", "get_job_answer", "job_out", "openapi_components", "router"]
 
@@ -162,14 +162,21 @@ async def submit_job(
     return _json(job_out(row, attempts), 201)
 
 
+def _query_text(field: str, value: str) -> None:
+    """The spec's string check (``reject_nul``) on a query parameter, as a 422 naming it."""
+    try:
+        reject_nul(value)
+    except ValueError as exc:
+        raise InvalidInput.at(["query", field], str(exc)) from exc
+
+
 def _labels(values: list[str]) -> list[tuple[str, str]]:
     pairs = []
     for value in values:
         key, sep, wanted = value.partition(":")
         if not sep or not key:
             raise InvalidInput.at(["query", "label"], f"label filter {value!r} is not key:value")
-        if "\x00" in value:
-            raise InvalidInput.at(["query", "label"], "must not contain NUL (U+0000) characters")
+        _query_text("label", value)
         pairs.append((key, wanted))
     return pairs
 
@@ -185,8 +192,8 @@ def list_jobs(
     cursor: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
     """List jobs newest first, with filters and an opaque keyset cursor."""
-    if name is not None and "\x00" in name:
-        raise InvalidInput.at(["query", "name"], "must not contain NUL (U+0000) characters")
+    if name is not None:
+        _query_text("name", name)
     after = crud.decode_cursor(cursor) if cursor else None
     with services.reader.connect() as session:
         rows, next_cursor = crud.list_jobs(
