@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,8 @@ def boot_time() -> float:
     return time.time() - float(Path("/proc/uptime").read_text().split()[0])
 
 
-def find_torchrun(run_dir: Path) -> int | None:
+def run_processes(run_dir: Path) -> Iterator[tuple[int, bytes]]:
+    """(pid, cmdline) of every process whose command line names ``run_dir``."""
     needle = str(run_dir).encode()
     for e in os.listdir("/proc"):
         if e.isdigit():
@@ -92,15 +94,26 @@ def find_torchrun(run_dir: Path) -> int | None:
                 cmd = Path(f"/proc/{e}/cmdline").read_bytes()
             except OSError:
                 continue
-            if needle in cmd and b"torch.distributed.run" in cmd and b"guard.py" not in cmd:
-                return int(e)
+            if needle in cmd:
+                yield int(e), cmd
+
+
+def find_torchrun(run_dir: Path) -> int | None:
+    for pid, cmd in run_processes(run_dir):
+        if b"torch.distributed.run" in cmd and b"guard.py" not in cmd:
+            return pid
     return None
+
+
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name (field 3 on, 0-based here)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def cpu_s(pid: int) -> float:
     """utime + stime of one process, in seconds (0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -115,7 +128,7 @@ class RunCPU:
     """
 
     def __init__(self, run_dir: Path, extra: dict[str, int] | None = None) -> None:
-        self.needle = str(run_dir).encode()
+        self.run_dir = run_dir
         self.extra = extra or {}
         self.start = {name: cpu_s(pid) for name, pid in self.extra.items()}
         self.seen: dict[int, tuple[str, float]] = {}
@@ -125,19 +138,11 @@ class RunCPU:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
-            for e in os.listdir("/proc"):
-                if not e.isdigit():
-                    continue
-                try:
-                    cmd = Path(f"/proc/{e}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if self.needle not in cmd:
-                    continue
+            for pid, cmd in run_processes(self.run_dir):
                 role = "launch" if b"torch.distributed.run" in cmd or b"guard" in cmd else "ranks"
-                cpu = cpu_s(int(e))
+                cpu = cpu_s(pid)
                 if cpu:
-                    self.seen[int(e)] = (role, cpu)
+                    self.seen[pid] = (role, cpu)
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
@@ -151,8 +156,7 @@ class RunCPU:
 
 
 def start_time(pid: int, boot: float) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return boot + int(stat_fields(pid)[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], q: float) -> float:
