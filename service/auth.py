@@ -96,6 +96,12 @@ _SQL_TOKEN = (
 )
 
 
+def _known(principal: Principal | None) -> Principal:
+    if principal is None:
+        raise Unauthorized("unknown or revoked token")
+    return principal
+
+
 class TokenCache:
     """Resolves a bearer token to its principal, remembering answers for ``ttl_s``."""
 
@@ -109,25 +115,20 @@ class TokenCache:
 
     def resolve_cached(self, authorization: str | None) -> Principal:
         """The answer without touching the database; LookupError if it would have to."""
-        hit = self._cache.get(hash_token(_bearer(authorization)))
-        if hit is None or time.monotonic() - hit[0] >= self._ttl:
+        hit = self._fresh(hash_token(_bearer(authorization)), time.monotonic())
+        if hit is None:
             raise LookupError("not cached")
-        if hit[1] is None:
-            raise Unauthorized("unknown or revoked token")
-        return hit[1]
+        return _known(hit[1])
 
     def resolve(self, authorization: str | None) -> Principal:
         digest = hash_token(_bearer(authorization))
         now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and now - hit[0] < self._ttl:
-            principal = hit[1]
-        else:
-            principal = self._lookup(digest)
-            self._remember(digest, now, principal)
-        if principal is None:
-            raise Unauthorized("unknown or revoked token")
-        return principal
+        hit = self._fresh(digest, now)
+        if hit is not None:
+            return _known(hit[1])
+        principal = self._lookup(digest)
+        self._remember(digest, now, principal)
+        return _known(principal)
 
     async def aresolve(self, authorization: str | None, reader: AsyncReader) -> Principal:
         """``resolve`` on the event loop (PostgreSQL). When an entry expires under load, the
@@ -135,18 +136,20 @@ class TokenCache:
         thread-pool hop and query each (a stall every ``ttl_s`` on a busy replica)."""
         digest = hash_token(_bearer(authorization))
         now = time.monotonic()
+        hit = self._fresh(digest, now)
+        if hit is not None:
+            return _known(hit[1])
+        row = await reader.fetch_keyed(_SQL_TOKEN, digest)
+        principal = None
+        if row is not None and hmac.compare_digest(row[0], digest):
+            principal = Principal(row[1], bool(row[2]))
+        self._remember(digest, now, principal)
+        return _known(principal)
+
+    def _fresh(self, digest: str, now: float) -> tuple[float, Principal | None] | None:
+        """The cached answer for ``digest`` (None: an unknown token) unless absent or stale."""
         hit = self._cache.get(digest)
-        if hit is not None and now - hit[0] < self._ttl:
-            principal = hit[1]
-        else:
-            row = await reader.fetch_keyed(_SQL_TOKEN, digest)
-            principal = None
-            if row is not None and hmac.compare_digest(row[0], digest):
-                principal = Principal(row[1], bool(row[2]))
-            self._remember(digest, now, principal)
-        if principal is None:
-            raise Unauthorized("unknown or revoked token")
-        return principal
+        return hit if hit is not None and now - hit[0] < self._ttl else None
 
     def _remember(self, digest: str, now: float, principal: Principal | None) -> None:
         with self._lock:
