@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from celery import Celery, bootsteps, signals
+from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from worker.context import WorkerContext
@@ -30,6 +30,10 @@ app.conf.update(
     # message may be another node of the attempt it runs, which then waits out the gang.
     # A worker takes a message only when a slot is free.
     worker_disable_prefetch=True,
+    # Celery's threads pool (a task only waits on its torchrun, whose processes live in
+    # their own process group: no forked child is needed), plus a wake-up of the event loop
+    # as each task ends, so a freed slot takes its next message at once (worker.pool).
+    worker_pool="worker.pool:ThreadPool",
     task_create_missing_queues=False,
     task_ignore_result=True,
     result_backend=None,
@@ -40,38 +44,6 @@ app.conf.update(
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
 
-
-class PromptResume(bootsteps.StartStopStep):
-    """Ticks the consumer's event loop every ``interval`` s while the worker runs.
-
-    With prefetch disabled, kombu stops reading the queue while every slot is busy and
-    resumes at the event loop's next tick, which may be a second away when nothing else
-    wakes it: a task sent just after a run ended would wait that long. A tick every 50 ms
-    bounds it (each tick is a few microseconds of the worker's own CPU).
-    """
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-    interval = 0.05
-
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
-        super().__init__(parent, **kwargs)
-        self._tref: Any = None
-
-    def start(self, parent: Any) -> None:
-        if parent.hub is not None:
-            self._tref = parent.hub.call_repeatedly(self.interval, _nothing)
-
-    def stop(self, parent: Any) -> None:
-        if self._tref is not None:
-            self._tref.cancel()
-            self._tref = None
-
-
-def _nothing() -> None:
-    pass
-
-
-app.steps["consumer"].add(PromptResume)
 
 _context: WorkerContext | None = None
 

@@ -13,8 +13,7 @@ __all__ = ["main", "run"]
 def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | None) -> None:
     """Run a Celery worker for ``queues`` with ``slots`` concurrent attempts until shut down.
 
-    A threads pool: a task only waits on its torchrun, and the run's processes live in
-    their own process group, so no forked pool child is needed.
+    The pool is the app's (worker.pool): threads, as a task only waits on its torchrun.
     """
     queues = [q.strip() for q in queues if q.strip()]
     if not queues:
@@ -28,7 +27,6 @@ def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | N
             "worker",
             f"--queues={','.join(queues)}",
             f"--concurrency={slots}",
-            "--pool=threads",
             f"--hostname=trainq@{ctx.name}",
             "--loglevel=INFO",
             # No broadcast chatter between workers: trainq's registry lives in Redis.
