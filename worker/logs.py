@@ -66,6 +66,7 @@ class LogForwarder:
         self._held: deque[dict[str, Any]] = deque(maxlen=keep_last)  # past max_lines
         self._readers: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._waiting = threading.Event()  # lines are pending: the ticker has a batch to time
         self._ticker = threading.Thread(target=self._tick, name="log-batch", daemon=True)
         self._ticker.start()
 
@@ -99,6 +100,8 @@ class LogForwarder:
                 self.agent.append(text)
             if len(self._pending) >= self._batch_lines:
                 self._emit_locked()
+            else:
+                self._waiting.set()
 
     def _emit_locked(self) -> None:
         if self._pending:
@@ -106,15 +109,22 @@ class LogForwarder:
             self._pending = []
 
     def _tick(self) -> None:
-        while not self._stop.wait(self._batch_s):
+        """Sends what waits ``batch_s`` after the first line of a batch arrived. Asleep while
+        nothing is pending: a quiet run costs no wake-ups."""
+        while True:
+            self._waiting.wait()
+            if self._stop.wait(self._batch_s):
+                return
             with self._lock:
                 self._emit_locked()
+                self._waiting.clear()
 
     def close(self, timeout: float = 5.0) -> None:
         """Read to EOF (bounded: a stray process may hold a pipe), then emit what is left."""
         for t in self._readers:
             t.join(timeout)
         self._stop.set()
+        self._waiting.set()
         self._ticker.join(timeout)
         with self._lock:
             last = list(self._held)

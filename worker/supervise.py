@@ -343,9 +343,9 @@ class _Attempt:
         limit = msg.max_runtime_s
         deadline = time.monotonic() + limit if limit else None
         while not exited.is_set():
-            timeout = self.s.cancel_poll_s
-            if deadline is not None:
-                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+            # Everything that ends the watch sets ``wake`` (the exit, a cancel, a shutdown),
+            # so it sleeps until then or the deadline: no polling next to the ranks.
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.wake.wait(timeout)
             self.wake.clear()
             if exited.is_set():

@@ -104,11 +104,11 @@ class CancelWatch:
                 while not self._stop.is_set():
                     # Any message, ours or another job's, or the poll timeout: read the key.
                     pubsub.get_message(timeout=self._poll_s)
-                    if self.check():
+                    if self._stop.is_set() or self.check():
                         return
             except Exception as exc:
                 log.debug("cancel channel lost (%s); polling until it is back", exc)
-                if self.check():
+                if self._stop.is_set() or self.check():
                     return
                 self._stop.wait(self._poll_s)
             finally:
@@ -119,5 +119,7 @@ class CancelWatch:
                         pass
 
     def stop(self) -> None:
+        """Stop watching, without waiting: the thread may sit in a pub/sub read for up to
+        ``poll_s``, and the attempt's exit must not wait for it. It ends by itself on its next
+        wake-up, reads nothing more and closes its connection."""
         self._stop.set()
-        self._thread.join(self._poll_s + 6)
