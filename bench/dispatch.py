@@ -16,6 +16,9 @@ service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``
    against a bare ``torchrun -m trainer`` of the same config from Popen to its first step
    (the ``time`` of the first record in metrics.jsonl). Goal: ratio <= 1.2. Not through the
    HTTP API: this measures the worker's share (Celery, claim, launch, log/metric path).
+   Beside it, the other end: from the last step to the exit event (worker), against the last
+   step to torchrun's exit (bare). Also: a task queued behind a busy slot, from the exit of
+   the run before it to its own launch.
 3. training throughput, worker vs bare torchrun, same config, 2 ranks, ``--rounds`` rounds
    in alternating order; tokens/s over the steps after the first ``--warmup`` from each run's
    metrics.jsonl ``time`` stamps. Goal: ratio >= 0.98. Beside it, the CPU per step of the
@@ -64,6 +67,11 @@ CFG: dict[str, Any] = {
 }
 
 
+# A run's processes that are not ranks: the guard, and torchrun (trainer.torchrun for the
+# worker, torch.distributed.run for the bare side).
+LAUNCH = (b"guard.py", b"torchrun", b"torch.distributed.run")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,7 +108,7 @@ def run_processes(run_dir: Path) -> Iterator[tuple[int, bytes]]:
 
 def find_torchrun(run_dir: Path) -> int | None:
     for pid, cmd in run_processes(run_dir):
-        if b"torch.distributed.run" in cmd and b"guard.py" not in cmd:
+        if b"torchrun" in cmd and b"guard.py" not in cmd:
             return pid
     return None
 
@@ -146,7 +154,7 @@ class RunCPU:
         while not self._stop.wait(0.05):
             if tick % 5 == 0:
                 for pid, cmd in run_processes(self.run_dir):
-                    launch = b"torch.distributed.run" in cmd or b"guard" in cmd
+                    launch = any(w in cmd for w in LAUNCH)
                     self.roles.setdefault(pid, "launch" if launch else "ranks")
             tick += 1
             for pid, role in self.roles.items():
@@ -182,6 +190,11 @@ def throughput(run_dir: Path, warmup: int, tokens_per_step: int) -> float:
 
 def first_metric_time(run_dir: Path) -> float:
     line = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
+    return float(json.loads(line)["time"])
+
+
+def last_metric_time(run_dir: Path) -> float:
+    line = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
     return float(json.loads(line)["time"])
 
 
@@ -305,16 +318,20 @@ class Bench:
         return self.lifecycle_ts(second, "running") - self.lifecycle_ts(first, "exited")
 
     # --- 2 and 3 ----------------------------------------------------------------------------
-    def worker_run(self) -> tuple[float, Path, dict[str, float]]:
+    def worker_run(self) -> tuple[float, float, Path, dict[str, float]]:
+        """(submit -> first metric on the wire, last step -> exit event, run dir, CPU)."""
         job = f"b{uuid.uuid4().hex[:10]}"
         cpu = RunCPU(self.runs / job, {"worker": self.worker.pid, "redis": self.redis_proc.pid})
         job, t0 = self.submit(2, self.cfg, job=job)
         done = self.exited(job)
         assert done["reason"] is None, done
         first = next(t for t, e in self.events(job) if e.kind == "metric")
-        return first - t0, self.runs / job, cpu.stop()
+        run_dir = self.runs / job
+        end = self.lifecycle_ts(job, "exited") - last_metric_time(run_dir)
+        return first - t0, end, run_dir, cpu.stop()
 
-    def bare_run(self, i: int) -> tuple[float, Path, dict[str, float]]:
+    def bare_run(self, i: int) -> tuple[float, float, Path, dict[str, float]]:
+        """(Popen -> first step, last step -> torchrun exited, run dir, CPU)."""
         run_dir = self.work / f"bare-{i}"
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(self.cfg))
@@ -327,7 +344,8 @@ class Bench:
              "--run-dir", str(run_dir), "--data-root", str(self.data)],
             env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        return first_metric_time(run_dir) - t0, run_dir, cpu.stop()
+        end = time.time() - last_metric_time(run_dir)
+        return first_metric_time(run_dir) - t0, end, run_dir, cpu.stop()
 
 
 def main() -> None:
@@ -365,19 +383,23 @@ def main() -> None:
             cfg = b.cfg
             tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
             first_w, first_b, tput_w, tput_b = [], [], [], []
+            end_w: list[float] = []
+            end_b: list[float] = []
             cpu_w: list[dict[str, float]] = []
             cpu_b: list[dict[str, float]] = []
             for i in range(a.rounds):
                 order = ("worker", "bare") if i % 2 == 0 else ("bare", "worker")
                 for kind in order:
                     if kind == "worker":
-                        f, d, c = b.worker_run()
+                        f, e, d, c = b.worker_run()
                         first_w.append(f)
+                        end_w.append(e)
                         tput_w.append(throughput(d, a.warmup, tps))
                         cpu_w.append(c)
                     else:
-                        f, d, c = b.bare_run(i)
+                        f, e, d, c = b.bare_run(i)
                         first_b.append(f)
+                        end_b.append(e)
                         tput_b.append(throughput(d, a.warmup, tps))
                         cpu_b.append(c)
             fw, fb = statistics.median(first_w), statistics.median(first_b)
@@ -387,6 +409,11 @@ def main() -> None:
                 f"{fb:.2f} s (Popen -> first step); ratio {fw / fb:.3f} (goal <= 1.2)"
             )
             paired = statistics.median(w / x for w, x in zip(tput_w, tput_b, strict=True))
+            ew, eb = statistics.median(end_w), statistics.median(end_b)
+            print(
+                f"run end: last step -> exit event (worker) {ew:.2f} s, last step -> torchrun "
+                f"exited (bare) {eb:.2f} s"
+            )
             print(
                 f"throughput: worker {tw:,.0f} tok/s, bare torchrun {tb:,.0f} tok/s; "
                 f"ratio {tw / tb:.3f} (goal >= 0.98; medians of {a.rounds} rounds); median of "

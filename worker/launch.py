@@ -63,7 +63,7 @@ def build_torchrun_argv(
     argv = [
         python,
         "-m",
-        "torch.distributed.run",
+        "trainer.torchrun",  # torch.distributed.run, with a faster exit
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
     ]

@@ -28,7 +28,7 @@ def _argv(**kw: object) -> list[str]:
 
 def test_single_node_is_standalone_and_runs_the_trainer_module() -> None:
     argv = _argv()
-    assert argv[:3] == ["/py", "-m", "torch.distributed.run"]
+    assert argv[:3] == ["/py", "-m", "trainer.torchrun"]
     assert "--standalone" in argv
     assert "--nnodes=1" in argv and "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
     assert not any(a.startswith("--rdzv") for a in argv)
