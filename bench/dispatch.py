@@ -1,6 +1,6 @@
 """Dispatch latency and reporting cost of the worker, measured side by side with bare torchrun.
 
-    .venv/bin/python bench/dispatch.py [--samples 15] [--rounds 3] [--steps 80]
+    .venv/bin/python bench/dispatch.py [--samples 15] [--rounds 3] [--steps 80] [--slices 30]
 
 Starts its own redis-server on a free port (events on db 0, the Celery broker on db 1) and
 one ``python -m worker --queues cpu --slots 1``, then sends tasks by name exactly as the
@@ -25,6 +25,11 @@ service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``
    ranks and of everything else the worker path runs (torchrun and the guard, the worker,
    redis-server), sampled from /proc: on a shared 2-core machine wall-clock throughput
    moves by several percent between runs, CPU time far less.
+4. the same ratio, interleaved: a worker run and a bare run alive at once, taking turns of
+   ``--slice-s`` (the other held with SIGSTOP), ``--slices`` turns each. Runs one after the
+   other on these VMs drift 10-20 % in speed within minutes, so (3) swings by as much from
+   one bench run to the next; taking turns puts both sides under the same drift. An A/A
+   check (two bare runs taking 20 turns each) gave ratios 1.024, 1.008, 1.002.
 """
 
 from __future__ import annotations
@@ -188,6 +193,39 @@ def throughput(run_dir: Path, warmup: int, tokens_per_step: int) -> float:
     return tokens_per_step * (len(t) - warmup) / (t[-1] - t[warmup - 1])
 
 
+def metric_times(run_dir: Path) -> list[float]:
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    # A process stopped mid-write leaves a partial last line; it is read once it is whole.
+    return [float(json.loads(x)["time"]) for x in text.splitlines() if x.endswith("}")]
+
+
+def metric_count(run_dir: Path) -> int:
+    return len(metric_times(run_dir))
+
+
+def windowed_throughput(run_dir: Path, windows: list[tuple[float, float]], tps: int) -> float:
+    """tok/s over the steps that began and ended within one window (a step's start is the
+    previous step's end)."""
+    t = metric_times(run_dir)
+    steps, spent = 0, 0.0
+    for a, b in windows:
+        inside = [x for x in t if a <= x <= b]
+        steps += len(inside) - 1 if inside else 0
+        spent += inside[-1] - inside[0] if inside else 0.0
+    return tps * steps / spent
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def first_metric_time(run_dir: Path) -> float:
     line = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
     return float(json.loads(line)["time"])
@@ -330,22 +368,77 @@ class Bench:
         end = self.lifecycle_ts(job, "exited") - last_metric_time(run_dir)
         return first - t0, end, run_dir, cpu.stop()
 
+    def bare_argv(self, run_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", "-m", "trainer", "--config", str(run_dir / "config.json"),
+                "--run-dir", str(run_dir), "--data-root", str(self.data)]  # fmt: skip
+
+    def bare_env(self) -> dict[str, str]:
+        return {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_")}
+
     def bare_run(self, i: int) -> tuple[float, float, Path, dict[str, float]]:
         """(Popen -> first step, last step -> torchrun exited, run dir, CPU)."""
         run_dir = self.work / f"bare-{i}"
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(self.cfg))
-        env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_")}
         cpu = RunCPU(run_dir)
         t0 = time.time()
         subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node=2", "-m", "trainer", "--config", str(run_dir / "config.json"),
-             "--run-dir", str(run_dir), "--data-root", str(self.data)],
-            env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            self.bare_argv(run_dir), env=self.bare_env(), check=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         end = time.time() - last_metric_time(run_dir)
         return first_metric_time(run_dir) - t0, end, run_dir, cpu.stop()
+
+    # --- 4 ----------------------------------------------------------------------------------
+    def interleaved(self, slices: int, slice_s: float, warmup: int) -> tuple[float, float]:
+        """Throughput (tok/s) of a worker run and a bare torchrun run that take turns.
+
+        Both run at once, but only one trains at a time: the other's processes are held with
+        SIGSTOP, and every ``slice_s`` they swap (SIGCONT/SIGSTOP), ``slices`` times each in
+        alternating order. So both sides see the same machine, minute by minute, where runs
+        one after the other saw its speed drift by 10-20 %. Only steps that began and ended
+        inside one of their side's slices count.
+        """
+        cfg = dict(self.cfg, steps=1_000_000)
+        job, _ = self.submit(2, cfg)
+        w_dir = self.runs / job
+        wait(lambda: metric_count(w_dir) >= warmup, 120, "the worker run's first steps", 0.05)
+        w_pids = [pid for pid, _ in run_processes(w_dir)]
+        signal_pids(w_pids, signal.SIGSTOP)
+        b_dir = self.work / "bare-interleaved"
+        b_dir.mkdir(parents=True)
+        (b_dir / "config.json").write_text(json.dumps(cfg))
+        bare = subprocess.Popen(
+            self.bare_argv(b_dir), env=self.bare_env(), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        b_pids: list[int] = []
+        try:
+            wait(lambda: metric_count(b_dir) >= warmup, 120, "the bare run's first steps", 0.05)
+            b_pids = [pid for pid, _ in run_processes(b_dir)]
+            signal_pids(b_pids, signal.SIGSTOP)
+            windows: dict[str, list[tuple[float, float]]] = {"worker": [], "bare": []}
+            sides = [("worker", w_pids), ("bare", b_pids)]
+            for k in range(slices):
+                for side, pids in sides if k % 2 == 0 else sides[::-1]:
+                    t0 = time.time()
+                    signal_pids(pids, signal.SIGCONT)
+                    time.sleep(slice_s)
+                    signal_pids(pids, signal.SIGSTOP)
+                    windows[side].append((t0, time.time()))
+        finally:
+            signal_pids(b_pids, signal.SIGKILL)
+            bare.kill()
+            bare.wait()
+            signal_pids(w_pids, signal.SIGCONT)
+            self.cancel(job)
+            self.exited(job)
+        tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
+        return (
+            windowed_throughput(w_dir, windows["worker"], tps),
+            windowed_throughput(b_dir, windows["bare"], tps),
+        )
 
 
 def main() -> None:
@@ -354,6 +447,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--slices", type=int, default=30, help="interleaved slices per side")
+    p.add_argument("--slice-s", type=float, default=1.0)
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="trainq-bench-") as tmp:
         b = Bench(Path(tmp), a.steps)
@@ -418,6 +513,13 @@ def main() -> None:
                 f"throughput: worker {tw:,.0f} tok/s, bare torchrun {tb:,.0f} tok/s; "
                 f"ratio {tw / tb:.3f} (goal >= 0.98; medians of {a.rounds} rounds); median of "
                 f"the per-round ratios (each pair run back to back) {paired:.3f}"
+            )
+
+            iw, ib = b.interleaved(a.slices, a.slice_s, a.warmup)
+            print(
+                f"throughput, interleaved (both runs alive, {a.slices} x {a.slice_s:g} s "
+                f"slices each, taking turns): worker {iw:,.0f} tok/s, bare torchrun "
+                f"{ib:,.0f} tok/s; ratio {iw / ib:.3f} (goal >= 0.98)"
             )
 
             def per_step(runs: list[dict[str, float]], role: str) -> float:
