@@ -29,7 +29,9 @@ service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``
    ``--slice-s`` (the other held with SIGSTOP), ``--slices`` turns each. Runs one after the
    other on these VMs drift 10-20 % in speed within minutes, so (3) swings by as much from
    one bench run to the next; taking turns puts both sides under the same drift. An A/A
-   check (two bare runs taking 20 turns each) gave ratios 1.024, 1.008, 1.002.
+   check (two bare runs taking 20 turns each) gave first/second 1.024, 1.008, 1.002: the
+   run started second ran ~1 % slower, so this is done twice, each side first once, and the
+   ratio reported is the geometric mean of the two.
 """
 
 from __future__ import annotations
@@ -391,50 +393,61 @@ class Bench:
         return first_metric_time(run_dir) - t0, end, run_dir, cpu.stop()
 
     # --- 4 ----------------------------------------------------------------------------------
-    def interleaved(self, slices: int, slice_s: float, warmup: int) -> tuple[float, float]:
+    def interleaved(
+        self, slices: int, slice_s: float, warmup: int, bare_first: bool
+    ) -> tuple[float, float]:
         """Throughput (tok/s) of a worker run and a bare torchrun run that take turns.
 
         Both run at once, but only one trains at a time: the other's processes are held with
         SIGSTOP, and every ``slice_s`` they swap (SIGCONT/SIGSTOP), ``slices`` times each in
         alternating order. So both sides see the same machine, minute by minute, where runs
         one after the other saw its speed drift by 10-20 %. Only steps that began and ended
-        inside one of their side's slices count.
+        inside one of their side's slices count. ``bare_first``: which side starts first
+        (an A/A check found the second one ~1 % slower; main() runs both orders).
         """
         cfg = dict(self.cfg, steps=1_000_000)
-        job, _ = self.submit(2, cfg)
-        w_dir = self.runs / job
-        wait(lambda: metric_count(w_dir) >= warmup, 120, "the worker run's first steps", 0.05)
-        w_pids = [pid for pid, _ in run_processes(w_dir)]
-        signal_pids(w_pids, signal.SIGSTOP)
-        b_dir = self.work / "bare-interleaved"
+        tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
+        b_dir = self.work / f"bare-interleaved-{int(bare_first)}"
         b_dir.mkdir(parents=True)
         (b_dir / "config.json").write_text(json.dumps(cfg))
-        bare = subprocess.Popen(
-            self.bare_argv(b_dir), env=self.bare_env(), stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        b_pids: list[int] = []
+        job = f"b{uuid.uuid4().hex[:10]}"
+        w_dir = self.runs / job
+        bare: subprocess.Popen[bytes] | None = None
+        pids: dict[str, list[int]] = {"worker": [], "bare": []}
+
+        def start(side: str) -> None:
+            nonlocal bare
+            if side == "worker":
+                self.submit(2, cfg, job=job)
+            else:
+                bare = subprocess.Popen(
+                    self.bare_argv(b_dir), env=self.bare_env(), stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+            run_dir = w_dir if side == "worker" else b_dir
+            wait(lambda: metric_count(run_dir) >= warmup, 120, f"the {side} run's steps", 0.05)
+            pids[side] = [pid for pid, _ in run_processes(run_dir)]
+            signal_pids(pids[side], signal.SIGSTOP)
+
         try:
-            wait(lambda: metric_count(b_dir) >= warmup, 120, "the bare run's first steps", 0.05)
-            b_pids = [pid for pid, _ in run_processes(b_dir)]
-            signal_pids(b_pids, signal.SIGSTOP)
+            for side in ("bare", "worker") if bare_first else ("worker", "bare"):
+                start(side)
             windows: dict[str, list[tuple[float, float]]] = {"worker": [], "bare": []}
-            sides = [("worker", w_pids), ("bare", b_pids)]
             for k in range(slices):
-                for side, pids in sides if k % 2 == 0 else sides[::-1]:
+                for side in ("worker", "bare") if k % 2 == 0 else ("bare", "worker"):
                     t0 = time.time()
-                    signal_pids(pids, signal.SIGCONT)
+                    signal_pids(pids[side], signal.SIGCONT)
                     time.sleep(slice_s)
-                    signal_pids(pids, signal.SIGSTOP)
+                    signal_pids(pids[side], signal.SIGSTOP)
                     windows[side].append((t0, time.time()))
         finally:
-            signal_pids(b_pids, signal.SIGKILL)
-            bare.kill()
-            bare.wait()
-            signal_pids(w_pids, signal.SIGCONT)
+            signal_pids(pids["bare"], signal.SIGKILL)
+            if bare is not None:
+                bare.kill()
+                bare.wait()
+            signal_pids(pids["worker"], signal.SIGCONT)
             self.cancel(job)
             self.exited(job)
-        tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
         return (
             windowed_throughput(w_dir, windows["worker"], tps),
             windowed_throughput(b_dir, windows["bare"], tps),
@@ -515,11 +528,18 @@ def main() -> None:
                 f"the per-round ratios (each pair run back to back) {paired:.3f}"
             )
 
-            iw, ib = b.interleaved(a.slices, a.slice_s, a.warmup)
+            ratios = []
+            for bare_first in (False, True):
+                iw, ib = b.interleaved(a.slices, a.slice_s, a.warmup, bare_first)
+                ratios.append(iw / ib)
+                print(
+                    f"throughput, interleaved ({'bare' if bare_first else 'worker'} run started "
+                    f"first; {a.slices} x {a.slice_s:g} s turns each): worker {iw:,.0f} tok/s, "
+                    f"bare torchrun {ib:,.0f} tok/s; ratio {iw / ib:.3f}"
+                )
             print(
-                f"throughput, interleaved (both runs alive, {a.slices} x {a.slice_s:g} s "
-                f"slices each, taking turns): worker {iw:,.0f} tok/s, bare torchrun "
-                f"{ib:,.0f} tok/s; ratio {iw / ib:.3f} (goal >= 0.98)"
+                f"throughput, interleaved, both orders: ratio "
+                f"{statistics.geometric_mean(ratios):.3f} (goal >= 0.98)"
             )
 
             def per_step(runs: list[dict[str, float]], role: str) -> float:
