@@ -29,9 +29,10 @@ service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``
    ``--slice-s`` (the other held with SIGSTOP), ``--slices`` turns each. Runs one after the
    other on these VMs drift 10-20 % in speed within minutes, so (3) swings by as much from
    one bench run to the next; taking turns puts both sides under the same drift. An A/A
-   check (two bare runs taking 20 turns each) gave first/second 1.024, 1.008, 1.002: the
-   run started second ran ~1 % slower, so this is done twice, each side first once, and the
-   ratio reported is the geometric mean of the two.
+   check (two bare runs taking turns) gave first/second 1.024, 1.008, 1.002 (20 turns each)
+   and 1.011, 1.028 (60 turns): the run started second runs 1-3 % slower, so this is done
+   twice, each side first once, and the ratio reported is the geometric mean of the two;
+   what is left of that bias, about +-1.5 %, is this measure's noise.
 """
 
 from __future__ import annotations
