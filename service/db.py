@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import select
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.dialects import postgresql
@@ -34,6 +34,7 @@ from service.settings import Settings
 
 __all__ = [
     "AsyncReader",
+    "PerLoop",
     "ensure_sqlite_dir",
     "is_sqlite",
     "make_async_reader",
@@ -112,6 +113,41 @@ def pg_sql(stmt: ClauseElement) -> str:
     return str(stmt.compile(dialect=postgresql.psycopg.dialect()))
 
 
+T = TypeVar("T")
+
+
+class PerLoop(Generic[T]):
+    """One ``T`` per running event loop, made on first use on that loop. A closed loop's
+    ``T`` is dropped (``on_drop``) when a new loop first asks."""
+
+    def __init__(
+        self,
+        make: Callable[[asyncio.AbstractEventLoop], T],
+        on_drop: Callable[[T], None] | None = None,
+    ) -> None:
+        self._make = make
+        self._on_drop = on_drop
+        self._items: dict[int, tuple[asyncio.AbstractEventLoop, T]] = {}
+
+    def get(self) -> T:
+        loop = asyncio.get_running_loop()
+        entry = self._items.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            for key, (old, item) in list(self._items.items()):
+                if old.is_closed():
+                    if self._on_drop is not None:
+                        self._on_drop(item)
+                    del self._items[key]
+            entry = self._items[id(loop)] = (loop, self._make(loop))
+        return entry[1]
+
+    def values(self) -> list[T]:
+        return [item for _, item in self._items.values()]
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
 class _LoopPool:
     def __init__(self, loop: asyncio.AbstractEventLoop, size: int, batches: int) -> None:
         self.loop = loop
@@ -147,18 +183,13 @@ class AsyncReader:
         self.size = size
         self.batches = min(batches, size)
         self.timeout_s = timeout_s
-        self._pools: dict[int, _LoopPool] = {}
+        self._pools = PerLoop(
+            lambda loop: _LoopPool(loop, self.size, self.batches),
+            lambda old: self._finish(old.idle),
+        )
 
     def _pool(self) -> _LoopPool:
-        loop = asyncio.get_running_loop()
-        pool = self._pools.get(id(loop))
-        if pool is None or pool.loop is not loop:
-            for key, old in list(self._pools.items()):
-                if old.loop.is_closed():
-                    self._finish(old.idle)
-                    del self._pools[key]
-            pool = self._pools[id(loop)] = _LoopPool(loop, self.size, self.batches)
-        return pool
+        return self._pools.get()
 
     @staticmethod
     def _finish(conns: list[Any]) -> None:

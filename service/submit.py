@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service import crud
 from service.auth import Principal
-from service.db import AsyncReader
+from service.db import AsyncReader, PerLoop
 from service.dispatch import Dispatcher
 from service.models import ATTEMPTS, utcnow
 from service.schemas import JobSpec
@@ -105,17 +105,10 @@ class GroupCommit:
     def __init__(self, reader: AsyncReader, dispatcher: Dispatcher) -> None:
         self.reader = reader
         self.dispatcher = dispatcher
-        self._waiting: dict[int, _Waiting] = {}
+        self._waiting = PerLoop(lambda loop: _Waiting(loop, self.IN_FLIGHT))
 
     def _here(self) -> _Waiting:
-        loop = asyncio.get_running_loop()
-        waiting = self._waiting.get(id(loop))
-        if waiting is None or waiting.loop is not loop:
-            for key, old in list(self._waiting.items()):
-                if old.loop.is_closed():
-                    del self._waiting[key]
-            waiting = self._waiting[id(loop)] = _Waiting(loop, self.IN_FLIGHT)
-        return waiting
+        return self._waiting.get()
 
     async def add(self, row: dict[str, Any]) -> bool:
         """True once ``row`` (a ``crud.job_row``) is committed and its attempt sent, or left
