@@ -191,8 +191,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def throughput(run_dir: Path, warmup: int, tokens_per_step: int) -> float:
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    t = [r["time"] for r in recs]
+    t = metric_times(run_dir)
     return tokens_per_step * (len(t) - warmup) / (t[-1] - t[warmup - 1])
 
 
@@ -227,16 +226,6 @@ def signal_pids(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-
-
-def first_metric_time(run_dir: Path) -> float:
-    line = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
-    return float(json.loads(line)["time"])
-
-
-def last_metric_time(run_dir: Path) -> float:
-    line = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
-    return float(json.loads(line)["time"])
 
 
 class Bench:
@@ -368,7 +357,7 @@ class Bench:
         assert done["reason"] is None, done
         first = next(t for t, e in self.events(job) if e.kind == "metric")
         run_dir = self.runs / job
-        end = self.lifecycle_ts(job, "exited") - last_metric_time(run_dir)
+        end = self.lifecycle_ts(job, "exited") - metric_times(run_dir)[-1]
         return first - t0, end, run_dir, cpu.stop()
 
     def bare_argv(self, run_dir: Path) -> list[str]:
@@ -390,8 +379,9 @@ class Bench:
             self.bare_argv(run_dir), env=self.bare_env(), check=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        end = time.time() - last_metric_time(run_dir)
-        return first_metric_time(run_dir) - t0, end, run_dir, cpu.stop()
+        end = time.time()
+        times = metric_times(run_dir)
+        return times[0] - t0, end - times[-1], run_dir, cpu.stop()
 
     # --- 4 ----------------------------------------------------------------------------------
     def interleaved(
