@@ -108,10 +108,6 @@ def exit_with_launcher(poll_s: float = 0.1) -> None:
     except (AttributeError, OSError):
         pidfd = None
 
-    def gone() -> None:
-        os.write(2, f"trainer: launcher (pid {parent}) is gone; exiting\n".encode())
-        os._exit(1)
-
     def watch() -> None:
         # Opened after getppid: if the launcher died in between, its pid may name another
         # process by now, but then this rank was already reparented, and the check skips it.
@@ -121,6 +117,7 @@ def exit_with_launcher(poll_s: float = 0.1) -> None:
             poller.poll()  # returns once the launcher has exited
         while os.getppid() == parent:  # reparenting comes with that exit; or no pidfd: poll
             time.sleep(poll_s)
-        gone()
+        os.write(2, f"trainer: launcher (pid {parent}) is gone; exiting\n".encode())
+        os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
