@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
+import time
 from pathlib import Path
 
 from trainer.config import ConfigError, load_config, resolve_data_path
@@ -42,7 +44,27 @@ def _known_failure(env: TrainerEnv, run_dir: Path, code: ExitCode, message: str)
     if env.is_main:
         print(f"trainer: error: {message}", file=sys.stderr, flush=True)
         write_exit_file(run_dir, "spec_error", message, rank=env.rank, step=None, exit_code=code)
+    else:
+        _await_verdict(run_dir, "spec_error")
     return code
+
+
+def _await_verdict(run_dir: Path, reason: str, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until rank 0 has written its ``reason`` to RUN_DIR/exit.json.
+
+    torchrun stops every rank as soon as one exits: a rank that returned first could have
+    rank 0 killed before it printed its line and wrote the file. A file left by an earlier
+    attempt carries another reason, or rank 0 has already removed it.
+    """
+    path = run_dir / EXIT_FILE
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(path.read_text(encoding="utf-8")).get("reason") == reason:
+                return
+        except (OSError, ValueError):  # not there yet, or still being written
+            pass
+        time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:
