@@ -26,6 +26,7 @@ as source ``worker:{n}`` (node 0 as ``worker``) and numbers from ``n << NODE_SEQ
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -188,6 +189,28 @@ def clean_number(value: float | None) -> float | None:
     return float(value)
 
 
+def _bulk(value: str) -> bytes:
+    b = value.encode()
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+@functools.cache
+def _bulk_name(name: str) -> bytes:
+    return _bulk(name)
+
+
+def _field_block(fields: dict[str, str]) -> bytes:
+    """The field/value pairs of one XADD in RESP."""
+    return b"".join([_bulk_name(k) + _bulk(v) for k, v in fields.items()])
+
+
+@functools.lru_cache(maxsize=64)
+def _xadd_head(key: str, maxlen: int, n_fields: int) -> bytes:
+    """``XADD key MAXLEN ~ maxlen *`` in RESP, as the head of an array with the fields."""
+    args = ("XADD", key, "MAXLEN", "~", str(maxlen), "*")
+    return b"*%d\r\n" % (len(args) + 2 * n_fields) + b"".join(map(_bulk, args))
+
+
 class Publisher:
     """Sends events to Redis from a background thread; never blocks or fails the caller.
 
@@ -234,7 +257,7 @@ class Publisher:
         self._cond = threading.Condition()
         self._seq = seq_start  # the first event is seq_start + 1
         self._closing = False
-        self._client: Any = None
+        self._conn: Any = None  # a redis.connection.Connection, made on first use
         self._link_down = False  # the last send failed; cleared by the next one that works
         self.sent = 0
         self.dropped = 0
@@ -277,31 +300,58 @@ class Publisher:
             return len(self._queue)
 
     def _connect(self) -> Any:
-        if self._client is None:
+        """The publisher's own connection (redis-py's: URL, auth, db, TLS, timeouts)."""
+        if self._conn is None:
             import redis
 
-            self._client = redis.Redis.from_url(
+            pool = redis.ConnectionPool.from_url(
                 self._url, socket_timeout=5, socket_connect_timeout=2
             )
-        return self._client
+            self._conn = pool.get_connection()
+        return self._conn
 
     def _send(self, batch: list[Event]) -> None:
-        client = self._connect()
-        pipe = client.pipeline(transaction=True)
+        """One MULTI of XADDs to both streams, packed here and sent in one write.
+
+        redis-py's pipeline packs every argument through generic Python code: for a batch of
+        ten metrics that was ~1 ms of CPU, with the GIL held, in the training process (rank
+        0), 5 times a second. Here each event's field block is encoded once and shared by
+        both XADDs; redis-py still owns the connection and parses the replies.
+        """
+        conn = self._connect()
+        try:
+            conn.send_packed_command([self._packed(batch)])
+            for _ in range(1 + 2 * len(batch)):  # MULTI's +OK, then +QUEUED for each XADD
+                conn.read_response()
+            replies = conn.read_response()  # EXEC: the entry ids, or errors
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: start clean next time
+            raise
+        errors = [r for r in replies or () if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
+
+    def _packed(self, batch: list[Event]) -> bytes:
+        parts = [b"*1\r\n$5\r\nMULTI\r\n"]
         for ev in batch:
             fields = ev.to_fields()
-            pipe.xadd(self.keys.events, fields, maxlen=self._events_maxlen, approximate=True)
-            pipe.xadd(self.keys.job(ev.job_id), fields, maxlen=self._job_maxlen, approximate=True)
-        pipe.execute()
+            body, n = _field_block(fields), len(fields)
+            parts += (
+                _xadd_head(self.keys.events, self._events_maxlen, n),
+                body,
+                _xadd_head(self.keys.job(ev.job_id), self._job_maxlen, n),
+                body,
+            )
+        parts.append(b"*1\r\n$4\r\nEXEC\r\n")
+        return b"".join(parts)
 
     def _run(self) -> None:
         # Connect before the first event: a run's first metric then costs one round trip,
         # not the import of redis and a TCP connect while the user waits for it.
         try:
-            self._connect().ping()
+            self._connect().connect()
         except Exception as exc:  # unreachable now: the first send retries
             log.debug("publisher could not connect yet (%s)", exc)
-            self._client = None
             self._link_down = True
         while True:
             with self._cond:
@@ -323,7 +373,6 @@ class Publisher:
                 self._send(batch)
             except Exception as exc:  # redis.ConnectionError, TimeoutError, ...: keep and retry
                 log.debug("publish failed (%s); retrying", exc)
-                self._client = None
                 with self._cond:
                     self._link_down = True
                     give_up = self._give_up_at
@@ -367,9 +416,9 @@ class Publisher:
             self._cond.notify_all()
         self._thread.join(timeout + 1)
         ok = not self._queue
-        if self._client is not None:
+        if self._conn is not None:
             try:
-                self._client.close()
+                self._conn.disconnect()
             except Exception:
                 pass
         return ok

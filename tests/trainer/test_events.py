@@ -160,6 +160,33 @@ def test_publisher_survives_an_outage_without_loss_or_reorder(private_redis: Pri
     assert steps == list(range(10, 30))
 
 
+def test_publisher_keeps_a_refused_batch_and_sends_it_once_redis_accepts(
+    private_redis: PrivateRedis,
+) -> None:
+    """A batch that Redis refuses (out of memory: every XADD is refused while queued, so EXEC
+    aborts) is kept and retried, and the connection is not left with unread replies that a
+    later batch would take for its own."""
+    client = redis.Redis(port=private_redis.port)
+    keys = Keys("trainq")
+    pub = Publisher(f"redis://127.0.0.1:{private_redis.port}/0", "job-r", 1, "trainer",
+                    retry_s=0.05)  # fmt: skip
+    pub.emit("metric", {"step": 0})
+    assert pub.flush(timeout=10)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    for i in range(1, 5):
+        pub.emit("metric", {"step": i})
+    assert not pub.flush(timeout=0.5)
+    assert pub.link_down and pub.pending() == 4
+    client.config_set("maxmemory", 0)
+    for i in range(5, 8):
+        pub.emit("metric", {"step": i})
+    assert pub.close(timeout=10)
+    assert not pub.link_down
+    for key in (keys.events, keys.job("job-r")):
+        assert [e.data["step"] for e in _read_all(client, key)] == list(range(8))
+
+
 def test_close_gives_up_within_its_timeout_when_redis_is_gone() -> None:
     pub = Publisher(f"redis://127.0.0.1:{_free_port()}/0", "job-c", 1, "trainer", retry_s=0.05)
     pub.emit("metric", {"step": 1})
