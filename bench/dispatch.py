@@ -1,6 +1,7 @@
 """Dispatch latency and reporting cost of the worker, measured side by side with bare torchrun.
 
     .venv/bin/python bench/dispatch.py [--samples 15] [--rounds 3] [--steps 80] [--slices 30]
+                                       [--pairs 1]
 
 Starts its own redis-server on a free port (events on db 0, the Celery broker on db 1) and
 one ``python -m worker --queues cpu --slots 1``, then sends tasks by name exactly as the
@@ -32,7 +33,10 @@ service does (``send_task(TASK_NAME, args=[JobMessage.to_json()], queue="cpu")``
    check (two bare runs taking turns) gave first/second 1.024, 1.008, 1.002 (20 turns each)
    and 1.011, 1.028 (60 turns): the run started second runs 1-3 % slower, so this is done
    twice, each side first once, and the ratio reported is the geometric mean of the two;
-   what is left of that bias, about +-1.5 %, is this measure's noise.
+   what is left of that bias, about +-1.5 %, is this measure's noise. ``--pairs`` repeats
+   both orders; the ratio is the geometric mean of all. Beside it, CPU per step within the
+   turns: both sides' ranks and torchrun, and what the worker process and redis-server
+   spend in the worker's turns beyond the bare's.
 """
 
 from __future__ import annotations
@@ -162,8 +166,7 @@ class RunCPU:
         while not self._stop.wait(0.05):
             if tick % 5 == 0:
                 for pid, cmd in run_processes(self.run_dir):
-                    launch = any(w in cmd for w in LAUNCH)
-                    self.roles.setdefault(pid, "launch" if launch else "ranks")
+                    self.roles.setdefault(pid, role_of(cmd))
             tick += 1
             for pid, role in self.roles.items():
                 cpu = cpu_s(pid)
@@ -179,6 +182,10 @@ class RunCPU:
         for name, pid in self.extra.items():
             out[name] = cpu_s(pid) - self.start[name]
         return out
+
+
+def role_of(cmd: bytes) -> str:
+    return "launch" if any(w in cmd for w in LAUNCH) else "ranks"
 
 
 def start_time(pid: int, boot: float) -> float:
@@ -385,8 +392,8 @@ class Bench:
 
     # --- 4 ----------------------------------------------------------------------------------
     def interleaved(
-        self, slices: int, slice_s: float, warmup: int, bare_first: bool
-    ) -> tuple[float, float]:
+        self, slices: int, slice_s: float, warmup: int, bare_first: bool, tag: str = ""
+    ) -> tuple[float, float, dict[str, float]]:
         """Throughput (tok/s) of a worker run and a bare torchrun run that take turns.
 
         Both run at once, but only one trains at a time: the other's processes are held with
@@ -395,10 +402,15 @@ class Bench:
         one after the other saw its speed drift by 10-20 %. Only steps that began and ended
         inside one of their side's slices count. ``bare_first``: which side starts first
         (an A/A check found the second one ~1 % slower; main() runs both orders).
+
+        Also returns CPU ms per step within the turns: of each side's ranks, of its torchrun
+        (and guard), and of the worker process and redis-server in the worker's turns less
+        in the bare's (what the worker path adds while it trains; the bench's own XREAD for
+        the exit is not running then, it waits after the turns).
         """
         cfg = dict(self.cfg, steps=1_000_000)
         tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
-        b_dir = self.work / f"bare-interleaved-{int(bare_first)}"
+        b_dir = self.work / f"bare-interleaved-{int(bare_first)}{tag}"
         b_dir.mkdir(parents=True)
         (b_dir / "config.json").write_text(json.dumps(cfg))
         job = f"b{uuid.uuid4().hex[:10]}"
@@ -424,13 +436,30 @@ class Bench:
             for side in ("bare", "worker") if bare_first else ("worker", "bare"):
                 start(side)
             windows: dict[str, list[tuple[float, float]]] = {"worker": [], "bare": []}
+            roles = {side: {pid: role_of(cmd) for pid, cmd in run_processes(d)}
+                     for side, d in (("worker", w_dir), ("bare", b_dir))}  # fmt: skip
+            shared = {"worker": self.worker.pid, "redis": self.redis_proc.pid}
+            cpu: dict[str, dict[str, float]] = {"worker": {}, "bare": {}}
+            steps = {"worker": 0, "bare": 0}
+
+            def charge(side: str, sign: float) -> None:
+                for pid, role in roles[side].items():
+                    cpu[side][role] = cpu[side].get(role, 0.0) + sign * cpu_s(pid)
+                for name, pid in shared.items():
+                    cpu[side][name] = cpu[side].get(name, 0.0) + sign * cpu_s(pid)
+
             for k in range(slices):
                 for side in ("worker", "bare") if k % 2 == 0 else ("bare", "worker"):
+                    run_dir = w_dir if side == "worker" else b_dir
+                    n0 = metric_count(run_dir)
+                    charge(side, -1)
                     t0 = time.time()
                     signal_pids(pids[side], signal.SIGCONT)
                     time.sleep(slice_s)
                     signal_pids(pids[side], signal.SIGSTOP)
                     windows[side].append((t0, time.time()))
+                    charge(side, +1)
+                    steps[side] += metric_count(run_dir) - n0
         finally:
             signal_pids(pids["bare"], signal.SIGKILL)
             if bare is not None:
@@ -439,9 +468,17 @@ class Bench:
             signal_pids(pids["worker"], signal.SIGCONT)
             self.cancel(job)
             self.exited(job)
+        per_step = {
+            f"{side} {role}": 1000 * cpu[side][role] / steps[side]
+            for side in ("worker", "bare")
+            for role in ("ranks", "launch")
+        }
+        for name in shared:  # what they spend in the worker's turns beyond the bare's
+            per_step[name] = 1000 * (cpu["worker"][name] - cpu["bare"][name]) / steps["worker"]
         return (
             windowed_throughput(w_dir, windows["worker"], tps),
             windowed_throughput(b_dir, windows["bare"], tps),
+            per_step,
         )
 
 
@@ -453,6 +490,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--slices", type=int, default=30, help="interleaved slices per side")
     p.add_argument("--slice-s", type=float, default=1.0)
+    p.add_argument("--pairs", type=int, default=1, help="interleaved runs in both orders")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="trainq-bench-") as tmp:
         b = Bench(Path(tmp), a.steps)
@@ -519,18 +557,35 @@ def main() -> None:
                 f"the per-round ratios (each pair run back to back) {paired:.3f}"
             )
 
-            ratios = []
-            for bare_first in (False, True):
-                iw, ib = b.interleaved(a.slices, a.slice_s, a.warmup, bare_first)
-                ratios.append(iw / ib)
-                print(
-                    f"throughput, interleaved ({'bare' if bare_first else 'worker'} run started "
-                    f"first; {a.slices} x {a.slice_s:g} s turns each): worker {iw:,.0f} tok/s, "
-                    f"bare torchrun {ib:,.0f} tok/s; ratio {iw / ib:.3f}"
-                )
+            ratios, cpu_i = [], []
+            for pair in range(a.pairs):
+                for bare_first in (False, True):
+                    iw, ib, c = b.interleaved(
+                        a.slices, a.slice_s, a.warmup, bare_first, tag=f"-{pair}"
+                    )
+                    ratios.append(iw / ib)
+                    cpu_i.append(c)
+                    print(
+                        f"throughput, interleaved ({'bare' if bare_first else 'worker'} run "
+                        f"started first; {a.slices} x {a.slice_s:g} s turns each): worker "
+                        f"{iw:,.0f} tok/s, bare torchrun {ib:,.0f} tok/s; ratio {iw / ib:.3f}"
+                    )
             print(
-                f"throughput, interleaved, both orders: ratio "
-                f"{statistics.geometric_mean(ratios):.3f} (goal >= 0.98)"
+                f"throughput, interleaved, both orders x {a.pairs}: ratio "
+                f"{statistics.geometric_mean(ratios):.3f} (geometric mean; goal >= 0.98), "
+                f"range {min(ratios):.3f} to {max(ratios):.3f}"
+            )
+
+            def med(key: str) -> float:
+                return statistics.median(c[key] for c in cpu_i)
+
+            print(
+                f"CPU per step within the turns (medians): ranks worker {med('worker ranks'):.2f}"
+                f" ms, bare {med('bare ranks'):.2f} ms, ratio "
+                f"{med('worker ranks') / med('bare ranks'):.3f}; torchrun+guard worker "
+                f"{med('worker launch'):.2f} ms, bare {med('bare launch'):.2f} ms; added in the "
+                f"worker's turns: worker process {med('worker'):.2f} ms, redis-server "
+                f"{med('redis'):.2f} ms"
             )
 
             def per_step(runs: list[dict[str, float]], role: str) -> float:

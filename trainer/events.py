@@ -253,6 +253,7 @@ class Publisher:
         self._batch_max = batch_max
         self._last_send = -1e9
         self._flushers = 0
+        self._idle = False  # the sender waits with no timeout; emit() must wake it
         self._queue: deque[Event] = deque()
         self._cond = threading.Condition()
         self._seq = seq_start  # the first event is seq_start + 1
@@ -272,10 +273,11 @@ class Publisher:
             n = len(self._queue)
             if n > self._max_buffer:
                 self._drop_one()
-            # The sender sleeps on an empty queue or until its interval ends; wake it only for
-            # the first waiting event or a full batch, not for every step. notify_all: a
+            # Wake the sender only where it sleeps with no end (idle: nothing sent for a whole
+            # interval) or for a full batch; within an interval it wakes by itself at the end,
+            # so a steady stream costs one wake-up per send, none per step. notify_all: a
             # flush() waiter shares the condition, and a lone notify() could wake it instead.
-            if n == 1 or n == self._batch_max:
+            if (n == 1 and self._idle) or n == self._batch_max:
                 self._cond.notify_all()
         return event
 
@@ -355,18 +357,22 @@ class Publisher:
             self._link_down = True
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue and self._closing:
-                    return
                 # At most one round trip per interval: a fast producer (a step every few ms)
-                # shares it among many events, while a lone event is sent at once.
-                send_at = self._last_send + self._min_interval_s
-                while len(self._queue) < self._batch_max and not (self._closing or self._flushers):
-                    left = send_at - time.monotonic()
-                    if left <= 0:
+                # shares it among many events, while an event after a quiet spell goes at once.
+                while True:
+                    n = len(self._queue)
+                    if not n and self._closing:
+                        return
+                    if n and (n >= self._batch_max or self._closing or self._flushers):
                         break
-                    self._cond.wait(left)
+                    left = self._last_send + self._min_interval_s - time.monotonic()
+                    if n and left <= 0:
+                        break
+                    # Within the interval, sleep to its end (what arrives waits for it anyway);
+                    # after it, with nothing to send, until emit() wakes us.
+                    self._idle = left <= 0
+                    self._cond.wait(None if self._idle else left)
+                self._idle = False
                 batch = [self._queue[i] for i in range(min(len(self._queue), self._batch_max))]
                 self._last_send = time.monotonic()
             try:
