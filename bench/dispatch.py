@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +188,11 @@ def role_of(cmd: bytes) -> str:
     return "launch" if any(w in cmd for w in LAUNCH) else "ranks"
 
 
+def tokens_per_step(cfg: dict[str, Any], procs: int = 2) -> int:
+    """Tokens of one step of ``cfg`` on ``procs`` ranks (every run here has 2)."""
+    return int(cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * procs)
+
+
 def start_time(pid: int, boot: float) -> float:
     return boot + int(stat_fields(pid)[19]) / os.sysconf("SC_CLK_TCK")
 
@@ -227,7 +232,7 @@ def windowed_throughput(run_dir: Path, windows: list[tuple[float, float]], tps: 
     return tps * steps / spent
 
 
-def signal_pids(pids: list[int], sig: int) -> None:
+def signal_pids(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -409,14 +414,15 @@ class Bench:
         the exit is not running then, it waits after the turns).
         """
         cfg = dict(self.cfg, steps=1_000_000)
-        tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
+        tps = tokens_per_step(cfg)
         b_dir = self.work / f"bare-interleaved-{int(bare_first)}{tag}"
         b_dir.mkdir(parents=True)
         (b_dir / "config.json").write_text(json.dumps(cfg))
         job = f"b{uuid.uuid4().hex[:10]}"
         w_dir = self.runs / job
         bare: subprocess.Popen[bytes] | None = None
-        pids: dict[str, list[int]] = {"worker": [], "bare": []}
+        # Each side's processes (found once it trains) and their role, ranks or launch.
+        roles: dict[str, dict[int, str]] = {"worker": {}, "bare": {}}
 
         def start(side: str) -> None:
             nonlocal bare
@@ -429,15 +435,13 @@ class Bench:
                 )  # fmt: skip
             run_dir = w_dir if side == "worker" else b_dir
             wait(lambda: metric_count(run_dir) >= warmup, 120, f"the {side} run's steps", 0.05)
-            pids[side] = [pid for pid, _ in run_processes(run_dir)]
-            signal_pids(pids[side], signal.SIGSTOP)
+            roles[side] = {pid: role_of(cmd) for pid, cmd in run_processes(run_dir)}
+            signal_pids(roles[side], signal.SIGSTOP)
 
         try:
             for side in ("bare", "worker") if bare_first else ("worker", "bare"):
                 start(side)
             windows: dict[str, list[tuple[float, float]]] = {"worker": [], "bare": []}
-            roles = {side: {pid: role_of(cmd) for pid, cmd in run_processes(d)}
-                     for side, d in (("worker", w_dir), ("bare", b_dir))}  # fmt: skip
             shared = {"worker": self.worker.pid, "redis": self.redis_proc.pid}
             cpu: dict[str, dict[str, float]] = {"worker": {}, "bare": {}}
             steps = {"worker": 0, "bare": 0}
@@ -454,18 +458,18 @@ class Bench:
                     n0 = metric_count(run_dir)
                     charge(side, -1)
                     t0 = time.time()
-                    signal_pids(pids[side], signal.SIGCONT)
+                    signal_pids(roles[side], signal.SIGCONT)
                     time.sleep(slice_s)
-                    signal_pids(pids[side], signal.SIGSTOP)
+                    signal_pids(roles[side], signal.SIGSTOP)
                     windows[side].append((t0, time.time()))
                     charge(side, +1)
                     steps[side] += metric_count(run_dir) - n0
         finally:
-            signal_pids(pids["bare"], signal.SIGKILL)
+            signal_pids(roles["bare"], signal.SIGKILL)
             if bare is not None:
                 bare.kill()
                 bare.wait()
-            signal_pids(pids["worker"], signal.SIGCONT)
+            signal_pids(roles["worker"], signal.SIGCONT)
             self.cancel(job)
             self.exited(job)
         per_step = {
@@ -517,8 +521,7 @@ def main() -> None:
                 f"{pct(handoff, 0.5):6.1f} ms  max {max(handoff):6.1f} ms  (n={len(handoff)})"
             )
 
-            cfg = b.cfg
-            tps = cfg["batch"]["micro_batch_size"] * cfg["model"]["seq_len"] * 2
+            tps = tokens_per_step(b.cfg)
             first_w, first_b, tput_w, tput_b = [], [], [], []
             end_w: list[float] = []
             end_b: list[float] = []
