@@ -177,7 +177,7 @@ def fresh_pg(migrate: bool = True) -> Iterator[str]:
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
         if migrate:
-            from service.migrate import upgrade
+            from service.api.migrate import upgrade
 
             upgrade(url)
         yield url
@@ -190,7 +190,7 @@ def fresh_pg(migrate: bool = True) -> Iterator[str]:
 def make_token(pg_url: str, name: str, *, admin: bool = False) -> str:
     from sqlalchemy.orm import Session
 
-    from service.auth import create_token
+    from service.api.auth import create_token
 
     engine = sa.create_engine(pg_url)
     try:
@@ -228,7 +228,7 @@ class Stack:
 
     def serve_api(self, workers: int, tree: Path = REPO, **overrides: str) -> Server:
         server = serve(
-            "service.app:create_app",
+            "service.api.app:create_app",
             factory=True,
             env=self.env(tree, **overrides),
             workers=workers,

@@ -4,7 +4,7 @@
                                           [--rounds 2] [--state running|queued|both]
 
 One run stands up the service (fresh PostgreSQL, claimed Redis numbers, a non-admin token,
-uvicorn ``service.app:create_app`` with its ingestor and reconciler) and ``bench/bare_app.py``
+uvicorn ``service.api.app:create_app`` with its ingestor and reconciler) and ``bench/bare_app.py``
 under the same uvicorn settings and worker count, then drives both with the same generator
 (wrk, one thread, keep-alive, ``--connections``), alternating A B / B A. The job read is made
 as a real one is: submitted through the API, then a worker's ``running`` lifecycle event and

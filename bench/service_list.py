@@ -6,7 +6,7 @@
 Two fresh PostgreSQL databases, migrated, filled straight through SQLAlchemy Core (bulk
 executemany of job rows as ``crud.create_job`` writes them, ids time-ordered like
 ``models.new_job_id``, all owned by the bench token's owner; then ANALYZE), each served by
-its own uvicorn ``service.app:create_app`` with the same settings. Each is listed by wrk
+its own uvicorn ``service.api.app:create_app`` with the same settings. Each is listed by wrk
 (one thread, keep-alive, ``--connections``; 1 by default, so p50 is the service time rather
 than queueing) on the first page and on a deep page whose cursor is made with the service's
 own ``crud.encode_cursor`` from the row 90% of the way down (row ~90,000 of 100,000; ~900 of
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sqlalchemy as sa
 from _util import SHARED_CORES_NOTE, Server, Stack, alternate, median, stack, verdict, wrk
 
-from service.crud import encode_cursor
-from service.models import JOBS
+from service.api.crud import encode_cursor
+from service.api.models import JOBS
 from trainer.config import TrainConfig
 
 STATUSES = ("succeeded",) * 7 + ("failed", "cancelled", "running")

@@ -5,7 +5,7 @@
 
 One fresh PostgreSQL database, migrated; a job submitted through the API and ``--rows``
 metric rows (one per step, attempt 1) bulk-inserted through SQLAlchemy Core, as the
-ingestor stores them; then ANALYZE. The API (uvicorn ``service.app:create_app``) is asked
+ingestor stores them; then ANALYZE. The API (uvicorn ``service.api.app:create_app``) is asked
 for the downsampled history ``--requests`` times, one at a time. With ``--compare-tree``, a
 second API is served from that copy of the repository (same database, same settings) and
 the two are alternated A B / B A, and their answers are compared point by point.
@@ -28,7 +28,7 @@ import httpx
 import sqlalchemy as sa
 from _util import SHARED_CORES_NOTE, alternate, percentiles, stack
 
-from service.models import METRICS
+from service.api.models import METRICS
 
 
 def fill(pg_url: str, job_id: str, rows: int) -> None:

@@ -4,7 +4,7 @@
                                           [--interval 0.1] [--workers 1]
 
 Stands up the service (fresh PostgreSQL, claimed Redis numbers, uvicorn
-``service.app:create_app`` with its ingestor), submits ``--jobs`` jobs and marks each running
+``service.api.app:create_app`` with its ingestor), submits ``--jobs`` jobs and marks each running
 with a worker's lifecycle event, then opens ``--followers`` connections to
 ``GET /v1/jobs/{id}/events`` spread round-robin over the jobs (raw asyncio HTTP/1.1, uvloop,
 one process). Once every follower has its response headers, it XADDs ``--events`` metric

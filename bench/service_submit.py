@@ -4,7 +4,7 @@
                                              [--total 6000] [--max-s 30]
 
 Stands up the service (fresh PostgreSQL, claimed Redis numbers for events and the Celery
-broker, a non-admin token, uvicorn ``service.app:create_app`` with its ingestor and
+broker, a non-admin token, uvicorn ``service.api.app:create_app`` with its ingestor and
 reconciler on) and POSTs ``--total`` JSON specs (a distinct name each, no Idempotency-Key)
 over ``--connections`` keep-alive connections from a small asyncio client (``_util.post_load``:
 bounded by count and by ``--max-s``; every response is read and counted, so the comparison

@@ -4,7 +4,7 @@ Each run starts `trainq up` in a fresh data folder (first start: migrations on a
 SQLite) and then again in the same folder (a restart: already migrated), polls from
 outside until GET /healthz answers and GET /v1/workers lists the worker, then sends SIGINT
 and times the stop. Side by side, in the same run, the floor: a bare `python -c "import
-service.app"` (what the API process must load before it can answer anything).
+service.api.app"` (what the API process must load before it can answer anything).
 
     python bench/up_ready.py [--runs 5]
 
@@ -28,7 +28,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 
-# `trainq` as the console script runs it: the Typer app of service/cli.py.
+# `trainq` as the console script runs it: the Typer app of service/cli/main.py.
 TRAINQ = ["-m", "service.cli"]
 
 
@@ -82,7 +82,7 @@ def one_run(data_dir: Path) -> tuple[float, float, float]:
 
 def import_floor() -> float:
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import service.app"], env=env(), check=True)
+    subprocess.run([sys.executable, "-c", "import service.api.app"], env=env(), check=True)
     return time.monotonic() - t0
 
 
@@ -111,7 +111,7 @@ def main() -> None:
     floor = statistics.median(floors)
     print(f"median ready: fresh data folder {mf:.2f} s, restart {ma:.2f} s (goal <= 5 s)")
     print(f"median stop after SIGINT: {statistics.median(stops):.2f} s")
-    print(f"floor: `import service.app` alone {floor:.2f} s; ready/floor = {mf / floor:.2f}x")
+    print(f"floor: `import service.api.app` alone {floor:.2f} s; ready/floor = {mf / floor:.2f}x")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 

@@ -1,4 +1,4 @@
-"""Starts a worker: `trainq worker` (service/cli.py) and `python -m worker` both land here."""
+"""Starts a worker: `trainq worker` (service/cli/main.py) and `python -m worker` both land here."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ forward logs, watch cancel / deadline / shutdown -> stop the whole process group
 
 A job of N nodes is N tasks, one per node (``msg.node_rank``), each with its own claim,
 heartbeat and event source (trainer.events); their events carry ``node``. The service
-decides the attempt from all of them (service.state).
+decides the attempt from all of them (service.api.state).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.system import Api, System, build_system
 
-# `trainq` as a user runs it: the Typer app of service/cli.py (the console script's target).
+# `trainq` as a user runs it: the Typer app of service/cli/main.py (the console script's target).
 TRAINQ = ["-m", "service.cli"]
 
 TINY: dict[str, Any] = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.client import (
+from service.cli.client import (
     EXIT_CANCELLED,
     EXIT_FAILED,
     EXIT_OK,
@@ -259,7 +259,7 @@ def test_data_prepare(tmp_path: object, trainq: Run) -> None:
 
 def test_client_sees_the_submitted_spec_as_sent(cli_system: CliSystem) -> None:
     # The --set value is parsed as YAML; 3e-4 (no dot) would be a string in YAML 1.1.
-    from service.specfile import load_spec
+    from service.cli.specfile import load_spec
 
     spec = load_spec(cli_system.spec("cli-set"), ["train.optim.lr=3e-4", "labels.x=y"])
     assert spec["train"]["optim"]["lr"] == pytest.approx(3e-4)

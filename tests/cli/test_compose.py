@@ -18,7 +18,7 @@ import typer
 import typer.main
 import yaml
 
-from service.cli import app as cli_app
+from service.cli.main import app as cli_app
 
 
 def _click_exception() -> type[Exception]:

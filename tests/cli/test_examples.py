@@ -10,8 +10,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from service.schemas import JobSpec
-from service.up import demo_spec
+from service.api.schemas import JobSpec
+from service.local.demo import demo_spec
 from trainer.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -29,14 +29,21 @@ def _loaded(body: str, env: dict[str, str]) -> list[str]:
 
 
 def test_importing_the_client_commands_loads_nothing_heavy(subprocess_env: dict[str, str]) -> None:
-    assert _loaded("import service.cli_client, service.client, service.up", subprocess_env) == []
+    assert (
+        _loaded(
+            "import service.cli, service.cli.main, service.cli.commands, service.cli.client, "
+            "service.local.up",
+            subprocess_env,
+        )
+        == []
+    )
 
 
 def test_submit_help_loads_nothing_heavy(subprocess_env: dict[str, str]) -> None:
-    # The whole `trainq` app (service/cli.py), then `trainq submit --help`, in one interpreter.
+    # The whole `trainq` app (service/cli/main.py), then `trainq submit --help`, in one interpreter.
     run_help = (
         "import contextlib, io\n"
-        "from service.cli import app\n"
+        "from service.cli.main import app\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf):\n"
         "    try:\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from service.cli_output import Progress, format_duration
-from service.client import parse_sse
+from service.cli.client import parse_sse
+from service.cli.output import Progress, format_duration
 
 
 def _metric(step: int, loss: float | None = 2.0) -> dict[str, object]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.embedded import _gpu_model, db_number, is_loopback, with_db
+from service.local.embedded import _gpu_model, db_number, is_loopback, with_db
 from tests.cli.conftest import one_line, trainq_argv
 from tests.e2e.system import free_port, wait_for
 

@@ -45,7 +45,7 @@ CHROMIUM_ARGS = [
 API_MAIN = """
 import sys
 import uvicorn
-from service.app import create_app
+from service.api.app import create_app
 
 uvicorn.run(create_app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
@@ -183,7 +183,7 @@ def build_system(
 ) -> System:
     """Stores and settings of one system under ``root``: the demo corpus in the data root,
     two fresh Redis databases (events, broker), a migrated database. Processes come later."""
-    from service.migrate import upgrade
+    from service.api.migrate import upgrade
     from trainer.prepare import prepare_demo
 
     data_root = root / "data"
@@ -208,9 +208,9 @@ def build_system(
 
 def create_token(database_url: str, owner: str) -> str:
     """A real API token, made the way `trainq token create` makes one."""
-    from service.auth import create_token as create
-    from service.db import make_engine, make_sessionmaker
-    from service.settings import Settings
+    from service.api.auth import create_token as create
+    from service.api.db import make_engine, make_sessionmaker
+    from service.api.settings import Settings
 
     engine = make_engine(Settings(database_url=database_url))
     try:

@@ -1,0 +1,338 @@
+"""The FastAPI application: ``create_app(settings)`` builds one, ``app`` is the default.
+
+Building an app does no I/O: the engine and Redis clients connect on first use, so importing
+this module is cheap and never loads torch or Celery. The lifespan starts the ingestor and the
+reconciler as daemon threads when ``TRAINQ_INGEST`` / ``TRAINQ_RECONCILE`` are on (tests turn
+them off and drive both directly). Errors become HTTP here, at the edge: the service's own
+exception tree (``service.api.errors``), database and Redis outages as 503 with a one-line
+message, request validation as 422 naming the field; nothing leaks a traceback.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+import redis.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from service.api import dashboard, telemetry
+from service.api.auth import ANONYMOUS, TokenCache
+from service.api.db import make_async_reader, make_engine, make_sessionmaker
+from service.api.deps import Services
+from service.api.dispatch import Dispatcher
+from service.api.errors import PayloadTooLarge, TrainqError
+from service.api.ingest import Ingestor
+from service.api.reconcile import Reconciler
+from service.api.routes import health, jobs, streams, workers
+from service.api.settings import Settings
+from service.api.sse import StreamHub
+from service.api.submit import GroupCommit
+from trainer.events import Keys
+
+__all__ = ["app", "build_services", "create_app"]
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DESCRIPTION = (
+    "Submit distributed PyTorch training jobs, follow their status, metrics and logs. "
+    "Authenticate with `Authorization: Bearer TOKEN` (`trainq token create`)."
+)
+
+
+class EdgeMiddleware:
+    """Body limit and request timing, as plain ASGI (no per-request task or copy).
+
+    A Content-Length over the limit is refused before the app runs; a body streamed without
+    one is counted as it arrives and refused (PayloadTooLarge, a 413) once it passes.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body: int,
+        observe: Callable[..., None],
+        fast_get: FastJobGet | None = None,
+    ) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.observe = observe
+        self.fast_get = fast_get
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        if self.fast_get is not None and scope["method"] == "GET":
+            status = await self.fast_get(scope, receive, send)
+            if status:
+                self.observe("GET", FastJobGet.PATH, status, time.perf_counter() - start)
+                return
+        limit = self.max_body
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await _send_413(send, limit)
+                    return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+            return message
+
+        status = 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, counted, timed_send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.observe(scope["method"], path, status, time.perf_counter() - start)
+
+
+class FastJobGet:
+    """``GET /v1/jobs/{id}`` answered without FastAPI's routing and dependency solving: the
+    hot read of every client's polling loop. Only the plain case is taken here (a well-formed
+    id, a known token or auth off, PostgreSQL, the job found); anything else (bad input, an
+    unknown token, a 404, the database away) returns 0 having sent nothing, and the request
+    goes through the routed ``get_job``, which answers it (and documents it in OpenAPI). The
+    answer is built by the same function the route uses, so the two cannot differ."""
+
+    PATH = "/v1/jobs/{job_id}"
+    _ID = re.compile(r"/v1/jobs/([0-9a-f]{1,32})")
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+        services = self.services
+        match = self._ID.fullmatch(scope["path"])
+        if match is None or services.areader is None:
+            return 0
+        principal = ANONYMOUS
+        if services.settings.auth_enabled:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            try:
+                principal = await services.tokens.aresolve(
+                    header.decode("latin-1") if header is not None else None, services.areader
+                )
+            except Exception:  # Unauthorized, an outage: the routed path answers it properly
+                return 0
+        try:
+            response = await jobs.get_job_answer(services, principal, match.group(1))
+        except Exception:  # NotFound, an outage: the routed path answers it properly
+            return 0
+        await response(scope, receive, send)
+        return response.status_code
+
+
+async def _send_413(send: Send, limit: int) -> None:
+    body = b'{"detail":"request body is larger than %d bytes"}' % limit
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error(status: int, detail: Any) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+def _install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TrainqError)
+    async def _trainq(_: Request, exc: TrainqError) -> JSONResponse:
+        from service.api.errors import InvalidInput, Unauthorized
+
+        if isinstance(exc, InvalidInput):
+            return _error(422, exc.errors)
+        response = _error(exc.status_code, exc.message)
+        if isinstance(exc, Unauthorized):
+            response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # The pydantic loc names the field; the offending input is not echoed back.
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": e.get("type")}
+            for e in exc.errors()
+        ]
+        return _error(422, errors)
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis(_: Request, exc: redis.RedisError) -> JSONResponse:
+        log.warning("redis error: %s", exc)
+        return _error(503, "Redis is unavailable; try again shortly")
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        if isinstance(exc, DBAPIError | PoolTimeout):
+            log.warning("database error: %s", exc.__class__.__name__)
+            return _error(503, "the database is unavailable; try again shortly")
+        log.exception("unexpected database error")
+        return _error(500, "internal error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(500, "internal error")
+
+
+def build_services(settings: Settings) -> Services:
+    engine = make_engine(settings)
+    sessions = make_sessionmaker(engine)
+    reader = make_engine(settings, autocommit=True)
+    timeout = settings.redis_timeout_s
+    sync = redis.Redis.from_url(
+        settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+    # Followers block in XREAD for up to a ping interval; the socket must wait longer.
+    # One connection per followed job (its fan-out), not per follower; followers' short
+    # backlog reads wait for a free one (a burst of connects) instead of failing at the bound.
+    follow = redis.asyncio.Redis(
+        connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+            settings.redis_url,
+            socket_timeout=settings.sse_ping_s + timeout,
+            socket_connect_timeout=timeout,
+            max_connections=settings.sse_redis_connections,
+            timeout=timeout,
+        )
+    )
+    areader = make_async_reader(settings)
+    dispatcher = Dispatcher(settings)
+    return Services(
+        settings=settings,
+        engine=engine,
+        sessions=sessions,
+        reader=reader,
+        redis=sync,
+        aredis=follow,
+        areader=areader,
+        hub=StreamHub(follow, ping_s=settings.sse_ping_s, queue_size=settings.sse_queue_size),
+        dispatcher=dispatcher,
+        submits=GroupCommit(areader, dispatcher) if areader is not None else None,
+        tokens=TokenCache(reader.connect, settings.token_cache_s),
+        keys=Keys(settings.redis_prefix),
+    )
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    services = build_services(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        threads = []
+        if settings.ingest:
+            ingestor = Ingestor(settings, services.sessions, services.redis, services.dispatcher)
+            threads.append(threading.Thread(target=ingestor.run, args=(stop,), name="ingest"))
+        if settings.reconcile:
+            reconciler = Reconciler(
+                settings, services.sessions, services.redis, services.dispatcher
+            )
+            threads.append(threading.Thread(target=reconciler.run, args=(stop,), name="reconcile"))
+        for t in threads:
+            t.daemon = True
+            t.start()
+        # What is loaded by now (modules, the app, pydantic and SQLAlchemy structures) lives
+        # as long as the process: kept out of the cyclic collector, whose full passes would
+        # otherwise walk all of it, stalling every request in flight (~0.1 s each ~2 s).
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=settings.ingest_block_ms / 1000 + 5)
+            services.dispatcher.close()
+            await services.hub.close()
+            await services.aredis.aclose()
+            await services.aredis.connection_pool.disconnect()
+            services.redis.close()
+            services.engine.dispose()
+            services.reader.dispose()
+            if services.areader is not None:
+                services.areader.close()
+
+    app = FastAPI(
+        title="trainq",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.services = services
+    registry, observe = telemetry.build_registry(services)
+    app.state.registry = registry
+    _install_handlers(app)
+    app.include_router(jobs.router)
+    app.include_router(streams.router)
+    app.include_router(workers.router)
+    app.include_router(health.router)
+    app.include_router(dashboard.router)
+    app.add_middleware(
+        EdgeMiddleware,
+        max_body=settings.max_body_bytes,
+        observe=observe,
+        fast_get=FastJobGet(services),
+    )
+
+    def openapi() -> dict[str, Any]:
+        # The submit route reads its body by hand (JSON or YAML); its schema is added here.
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(jobs.openapi_components())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+app = create_app()

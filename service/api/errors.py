@@ -1,0 +1,81 @@
+"""The service's exceptions, translated to HTTP only at the route edge (``service.api.app``).
+
+::
+
+    TrainqError                 a clear one-line message, and the HTTP status it maps to
+    ├── Unauthorized      401   missing, unknown or revoked bearer token
+    ├── NotFound          404   no such job (or not yours: the same answer)
+    ├── Conflict          409   an idempotency key reused with a different spec
+    ├── PayloadTooLarge   413   a body over TRAINQ_MAX_BODY_BYTES
+    ├── InvalidInput      422   carries pydantic-style ``errors`` with the field's ``loc``
+    └── Unavailable       503   a store is down; the next request tries again
+        ├── DatabaseUnavailable
+        └── RedisUnavailable
+
+Third-party errors (SQLAlchemy, redis-py) are wrapped once, with ``raise ... from exc``, or
+mapped by the handlers in ``service.api.app`` when they escape a route.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "Conflict",
+    "DatabaseUnavailable",
+    "InvalidInput",
+    "NotFound",
+    "PayloadTooLarge",
+    "RedisUnavailable",
+    "TrainqError",
+    "Unauthorized",
+    "Unavailable",
+]
+
+
+class TrainqError(Exception):
+    status_code = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Unauthorized(TrainqError):
+    status_code = 401
+
+
+class NotFound(TrainqError):
+    status_code = 404
+
+
+class Conflict(TrainqError):
+    status_code = 409
+
+
+class PayloadTooLarge(TrainqError):
+    status_code = 413
+
+
+class InvalidInput(TrainqError):
+    status_code = 422
+
+    def __init__(self, message: str, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or [{"loc": [], "msg": message, "type": "value_error"}]
+
+    @classmethod
+    def at(cls, loc: list[str | int], message: str) -> InvalidInput:
+        return cls(message, [{"loc": loc, "msg": message, "type": "value_error"}])
+
+
+class Unavailable(TrainqError):
+    status_code = 503
+
+
+class DatabaseUnavailable(Unavailable):
+    pass
+
+
+class RedisUnavailable(Unavailable):
+    pass

@@ -1,0 +1,210 @@
+"""The reconciler: repairs what the happy path can miss. One pass at a time across all API
+replicas (a Redis lock with a token, released only by its holder).
+
+- Attempts committed but never handed to Celery (the broker was down, the process died
+  between commit and send) are sent again.
+- An attempt that a worker claimed, or that reported running, whose heartbeat key has been
+  gone for ``heartbeat_grace_s`` is ``lost`` (a multi-node attempt: the heartbeat of any
+  node that claimed it, or of any node of a running one, that has not reported its exit);
+  ``service.api.state`` then retries the job with a new attempt in the same run directory (the
+  trainer resumes from its checkpoint) while retries remain, else fails it with reason
+  ``lost``. The grace covers the moment between a
+  worker's exit event and its ingestion, when the heartbeat is already deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from datetime import UTC, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.api.dispatch import Dispatcher, dispatch_attempts
+from service.api.models import ATTEMPTS, JOBS, utcnow
+from service.api.notify import publish_status, signal_stop
+from service.api.settings import Settings
+from service.api.state import Outcome, attempt_lost
+from trainer.events import Keys
+
+__all__ = ["Reconciler"]
+
+log = logging.getLogger(__name__)
+
+
+# Dispatched attempts checked per pass for a claim without a heartbeat (a worker that died
+# between claiming and launching); a long queue is walked over several passes.
+DISPATCHED_WINDOW = 2000
+
+# Compare-and-delete: a lock that expired and was taken by another replica is not ours.
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+class Reconciler:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        redis: Any,
+        dispatcher: Dispatcher,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.redis = redis
+        self.dispatcher = dispatcher
+        self.keys = Keys(settings.redis_prefix)
+        self.lock_key = f"{settings.redis_prefix}:reconcile:lock"
+        self._dispatched_after = 0
+
+    def run_once(self) -> dict[str, int] | None:
+        """One pass, if no other replica holds the lock; counts of what it did, else None."""
+        token = secrets.token_hex(8)
+        ttl_ms = int(max(10.0, self.settings.reconcile_interval_s * 5) * 1000)
+        if not self.redis.set(self.lock_key, token, nx=True, px=ttl_ms):
+            return None
+        try:
+            return {"sent": self.resend_unsent(), "lost": self.reap_lost()}
+        finally:
+            self.redis.eval(_RELEASE, 1, self.lock_key, token)
+
+    def resend_unsent(self) -> int:
+        cutoff = utcnow() - timedelta(seconds=self.settings.unsent_grace_s)
+        with self.sessions() as session:
+            pairs = [
+                (r.job_id, r.number)
+                for r in session.execute(
+                    select(ATTEMPTS.c.job_id, ATTEMPTS.c.number)
+                    .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
+                    .where(
+                        ATTEMPTS.c.status == "dispatched",
+                        ATTEMPTS.c.sent_at.is_(None),
+                        ATTEMPTS.c.created_at <= cutoff,
+                        JOBS.c.status == "queued",
+                        JOBS.c.attempt == ATTEMPTS.c.number,
+                    )
+                    .order_by(ATTEMPTS.c.job_id)
+                    .limit(1000)
+                )
+            ]
+        return dispatch_attempts(self.sessions, self.dispatcher, pairs)
+
+    def _live_attempts(self) -> list[Any]:
+        """Every running attempt (as many as there are slots in the cluster), and a window of
+        the dispatched ones (there may be a long queue): DISPATCHED_WINDOW per pass, in turn."""
+        columns = (
+            ATTEMPTS.c.id,
+            ATTEMPTS.c.job_id,
+            ATTEMPTS.c.number,
+            ATTEMPTS.c.status,
+            ATTEMPTS.c.hb_missing_since,
+            ATTEMPTS.c.node_exits,
+            JOBS.c.nodes,
+        )
+        joined = ATTEMPTS.join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
+        with self.sessions() as session:
+            running = list(
+                session.execute(
+                    select(*columns).select_from(joined).where(ATTEMPTS.c.status == "running")
+                )
+            )
+            waiting = list(
+                session.execute(
+                    select(*columns)
+                    .select_from(joined)
+                    .where(
+                        ATTEMPTS.c.status == "dispatched",
+                        ATTEMPTS.c.sent_at.is_not(None),
+                        ATTEMPTS.c.id > self._dispatched_after,
+                    )
+                    .order_by(ATTEMPTS.c.id)
+                    .limit(DISPATCHED_WINDOW)
+                )
+            )
+        self._dispatched_after = waiting[-1].id if len(waiting) == DISPATCHED_WINDOW else 0
+        return running + waiting
+
+    def reap_lost(self) -> int:
+        rows = self._live_attempts()
+        if not rows:
+            return 0
+        # Node 0's keys are the single-node keys; a node that reported its exit has dropped
+        # its heartbeat on purpose and is not asked about.
+        asked = [
+            [n for n in range(r.nodes or 1) if str(n) not in (r.node_exits or {})] for r in rows
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        for r, nodes in zip(rows, asked, strict=True):
+            for n in nodes:
+                pipe.exists(self.keys.heartbeat(r.job_id, r.number, n))
+                pipe.exists(self.keys.claim(r.job_id, r.number, n))
+        answers = iter(pipe.execute())
+        now = utcnow()
+        grace = timedelta(seconds=self.settings.heartbeat_grace_s)
+        mark, clear, lost = [], [], []
+        why: dict[int, str] = {}
+        for r, nodes in zip(rows, asked, strict=True):
+            # A node is missing if it runs (or claimed the attempt) without a heartbeat; one
+            # still waiting in the Celery queue is not.
+            missing = []
+            for n in nodes:
+                beating, claimed = next(answers), next(answers)
+                if not beating and (r.status == "running" or claimed):
+                    missing.append(n)
+            if (r.nodes or 1) > 1:
+                who = ", ".join(str(n) for n in missing)
+                why[r.id] = f"heartbeat of node {who} of {r.nodes} expired: its worker stopped"
+            if not missing:
+                if r.hb_missing_since is not None:
+                    clear.append(r.id)  # alive again, or still waiting in the Celery queue
+                continue
+            if r.hb_missing_since is None:
+                mark.append(r.id)
+                if grace.total_seconds() == 0:
+                    lost.append(r)
+            elif now - _aware(r.hb_missing_since) >= grace:
+                lost.append(r)
+        outcome = Outcome()
+        with self.sessions() as session, session.begin():
+            if mark:
+                session.execute(
+                    update(ATTEMPTS).where(ATTEMPTS.c.id.in_(mark)).values(hb_missing_since=now)
+                )
+            if clear:
+                session.execute(
+                    update(ATTEMPTS).where(ATTEMPTS.c.id.in_(clear)).values(hb_missing_since=None)
+                )
+            for r in lost:
+                outcome.extend(
+                    attempt_lost(
+                        session,
+                        r.job_id,
+                        r.number,
+                        message=why.get(r.id, "heartbeat expired: the worker stopped reporting"),
+                        at=now,
+                    )
+                )
+        publish_status(
+            self.redis, self.keys, outcome.changes, maxlen=self.settings.job_stream_maxlen
+        )
+        signal_stop(self.redis, self.keys, outcome.to_stop)
+        if outcome.to_send:
+            dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
+        return len(lost)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception as exc:  # an outage: the next pass tries again
+                log.warning("reconcile: %s", exc)
+            stop.wait(self.settings.reconcile_interval_s)
+
+
+def _aware(value: Any) -> Any:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

@@ -1,0 +1,293 @@
+"""Jobs: submit, list, get, cancel."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import yaml
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from pydantic import ValidationError
+from redis import RedisError
+from starlette.concurrency import run_in_threadpool
+
+from service.api import crud, job_json
+from service.api.auth import Principal
+from service.api.deps import PrincipalDep, Services, ServicesDep
+from service.api.errors import InvalidInput, NotFound
+from service.api.notify import publish_status, signal_cancel
+from service.api.routes import errors
+from service.api.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary
+from service.api.state import cancel_job
+from service.api.submit import submit_one
+from trainer.config import ConfigError, reject_nul, resolve_data_path
+
+__all__ = ["JobId", "get_job_answer", "job_out", "openapi_components", "router"]
+
+router = APIRouter(tags=["jobs"])
+
+JobId = Annotated[str, Path(min_length=1, max_length=32, pattern=r"^[0-9a-f]+$")]
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml")
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """A spec has no use for YAML anchors; refusing aliases rules out "billion laughs"."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise InvalidInput.at(["body"], "YAML aliases (*name) are not allowed in a job spec")
+        return super().compose_node(parent, index)
+
+
+def parse_spec(raw: bytes, content_type: str | None, data_root: Any) -> JobSpec:
+    """Body bytes to a validated JobSpec; InvalidInput names the field that is wrong."""
+    media = (content_type or "application/json").split(";")[0].strip().lower()
+    try:
+        if media in YAML_TYPES:
+            payload = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)
+        else:
+            payload = json.loads(raw)
+    except InvalidInput:
+        raise
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "YAML" if media in YAML_TYPES else "JSON"
+        raise InvalidInput.at(["body"], f"body is not valid {kind}: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise InvalidInput.at(["body"], "the job spec must be an object")
+    try:
+        spec = JobSpec.model_validate(payload)
+    except ValidationError as exc:
+        raise InvalidInput(
+            "invalid job spec",
+            [
+                {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+                for e in exc.errors()
+            ],
+        ) from exc
+    _check_data_path(spec.train.data.path, data_root)
+    return spec
+
+
+# Data paths found inside the root, briefly: resolving walks the file system (a tenth of a
+# submit's CPU) and most submits name the same few paths. Only a success is remembered, and
+# for a second, so a symlink changed to point out is refused again almost at once (and the
+# trainer checks the path again when it runs).
+_PATH_OK_S = 1.0
+_paths_ok: dict[tuple[str, str], float] = {}
+
+
+def _check_data_path(path: str, data_root: Any) -> None:
+    key = (path, str(data_root))
+    now = time.monotonic()
+    if _paths_ok.get(key, 0.0) > now:
+        return
+    try:
+        resolve_data_path(path, data_root)
+    except ConfigError as exc:
+        raise InvalidInput.at(["body", "train", "data", "path"], str(exc)) from exc
+    if len(_paths_ok) > 1024:
+        _paths_ok.clear()
+    _paths_ok[key] = now + _PATH_OK_S
+
+
+def job_out(row: Any, attempts: list[Any] | None = None, pending: str | None = None) -> JobOut:
+    return JobOut.model_validate(
+        {
+            **row,
+            "latest": row["last_metrics"],
+            "attempts": [dict(a) for a in attempts or ()],
+            "pending_reason": pending,
+        }
+    )
+
+
+def _json(model: Any, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+_SPEC_BODY = {"$ref": "#/components/schemas/JobSpec"}
+
+
+def openapi_components() -> dict[str, Any]:
+    """JobSpec and its parts, for the request body the submit route reads by hand."""
+    schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {"JobSpec": schema, **defs}
+
+
+@router.post(
+    "/v1/jobs",
+    status_code=201,
+    response_model=JobOut,
+    responses={
+        200: {"model": JobOut, "description": "the job this Idempotency-Key already created"},
+        **errors(401, 409),
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                media: {"schema": _SPEC_BODY} for media in ("application/json", *YAML_TYPES[:1])
+            },
+        }
+    },
+)
+async def submit_job(
+    request: Request,
+    services: ServicesDep,
+    principal: PrincipalDep,
+    idempotency_key: Annotated[
+        str | None, Header(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
+    ] = None,
+) -> Response:
+    """Submit a training job (JSON or YAML body); a repeated Idempotency-Key returns its job."""
+    raw = await request.body()
+    spec = parse_spec(raw, request.headers.get("content-type"), services.settings.data_root)
+    row = crud.job_row(principal, spec, idempotency_key)
+    if services.submits is not None and await services.submits.add(row):
+        created = True  # committed with the other submits of its batch (service.api.submit)
+    else:
+        row, created = await run_in_threadpool(
+            submit_one, services, principal, spec, idempotency_key
+        )
+    first = {
+        "number": 1,
+        "status": "dispatched",
+        "created_at": row["created_at"],
+    }
+    attempts = [first] if created else None
+    if not created:
+        return await run_in_threadpool(_get, services, principal, row["id"], False)
+    return _json(job_out(row, attempts), 201)
+
+
+def _query_text(field: str, value: str) -> None:
+    """The spec's string check (``reject_nul``) on a query parameter, as a 422 naming it."""
+    try:
+        reject_nul(value)
+    except ValueError as exc:
+        raise InvalidInput.at(["query", field], str(exc)) from exc
+
+
+def _labels(values: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        key, sep, wanted = value.partition(":")
+        if not sep or not key:
+            raise InvalidInput.at(["query", "label"], f"label filter {value!r} is not key:value")
+        _query_text("label", value)
+        pairs.append((key, wanted))
+    return pairs
+
+
+@router.get("/v1/jobs", response_model=JobList, responses=errors(401))
+def list_jobs(
+    services: ServicesDep,
+    principal: PrincipalDep,
+    status: JobStatus | None = None,
+    name: Annotated[str | None, Query(max_length=200)] = None,
+    label: Annotated[list[str], Query(max_length=20, description="key:value")] = [],  # noqa: B006
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=64)] = None,
+) -> Response:
+    """List jobs newest first, with filters and an opaque keyset cursor."""
+    if name is not None:
+        _query_text("name", name)
+    after = crud.decode_cursor(cursor) if cursor else None
+    with services.reader.connect() as session:
+        rows, next_cursor = crud.list_jobs(
+            session,
+            principal,
+            status=status,
+            name=name,
+            labels=_labels(label),
+            limit=limit,
+            after_id=after,
+        )
+    items = [JobSummary.model_validate({**r, "latest": r["last_metrics"]}) for r in rows]
+    return _json(JobList(items=items, next_cursor=next_cursor))
+
+
+def _pending_reason(services: Services, session: Any, row: Any) -> str | None:
+    queue = row["queue"]
+    try:
+        workers = services.live_workers()
+    except RedisError:
+        return None  # the job is still answered; only the hint is missing
+    if not any(queue in (w.get("queues") or ()) for w in workers):
+        return f"no worker serves queue {queue}"
+    return f"position {crud.queue_position(session, queue, row['id'])} in queue {queue}"
+
+
+def _get(services: Services, principal: Principal, job_id: str, pending: bool = True) -> Response:
+    with services.reader.connect() as session:
+        row, attempts = crud.get_job_with_attempts(session, principal, job_id)
+        if row is None:
+            raise NotFound(f"job {job_id} not found")
+        reason = (
+            _pending_reason(services, session, row)
+            if pending and row["status"] == "queued"
+            else None
+        )
+    return _json(job_out(row, attempts, reason))
+
+
+async def get_job_answer(services: Services, principal: Principal, job_id: str) -> Response:
+    """The answer of ``GET /v1/jobs/{id}`` (the route's, and the edge's fast path's)."""
+    if services.areader is not None:
+        return await _aget(services, principal, job_id)
+    return await run_in_threadpool(_get, services, principal, job_id)
+
+
+async def _aget(services: Services, principal: Principal, job_id: str) -> Response:
+    """``_get`` on the event loop (PostgreSQL): the database writes the JSON (see
+    ``job_json.aget_job_json``), and concurrent requests' reads share one statement; a queued
+    job's position (when a worker serves its queue) takes a second, shared the same way."""
+    reader = services.areader
+    assert reader is not None
+    found = await job_json.aget_job_json(reader, principal, job_id)
+    if found is None:
+        raise NotFound(f"job {job_id} not found")
+    status, queue, head, tail = found
+    reason = None
+    if status == "queued":
+        try:
+            workers = await services.alive_workers()
+        except RedisError:
+            workers = None  # the job is still answered; only the hint is missing
+        if workers is not None:
+            if not any(queue in (w.get("queues") or ()) for w in workers):
+                reason = f"no worker serves queue {queue}"
+            else:
+                position = await crud.aqueue_position(reader, job_id)
+                reason = f"position {position} in queue {queue}"
+    body = f"{head}{json.dumps(reason)}{tail}".encode()
+    return Response(body, media_type="application/json")
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(401, 404))
+async def get_job(job_id: JobId, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """One job: spec, status, attempts, latest metrics, and why it waits if queued."""
+    return await get_job_answer(services, principal, job_id)
+
+
+@router.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, responses=errors(401, 404))
+def cancel(job_id: JobId, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Cancel a job (idempotent): queued ends at once, running becomes cancelling."""
+    with services.sessions() as session:
+        row = crud.get_job(session, principal, job_id)
+    if row is None:
+        raise NotFound(f"job {job_id} not found")
+    if row["status"] in ("queued", "running"):
+        # The flag first: if Redis is down this is a 503 and nothing has changed.
+        signal_cancel(services.redis, services.keys, job_id)
+        with services.sessions() as session, session.begin():
+            outcome = cancel_job(session, job_id)
+        publish_status(
+            services.redis,
+            services.keys,
+            outcome.changes,
+            maxlen=services.settings.job_stream_maxlen,
+        )
+    return _get(services, principal, job_id, pending=False)

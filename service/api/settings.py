@@ -1,0 +1,74 @@
+"""The service's one settings object, read from ``TRAINQ_*`` environment variables.
+
+Nothing else in ``service/`` reads ``os.environ``; code that needs a setting gets this object
+(``create_app(settings)``, ``Ingestor(settings, ...)``), so tests build their own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+def _default_consumer() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINQ_", extra="ignore")
+
+    # Stores and wires. The embedded default keeps SQLite next to the process, in .trainq/.
+    database_url: str = "sqlite:///.trainq/trainq.db"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # events, heartbeats, cancel flags, workers
+    broker_url: str = "redis://127.0.0.1:6379/1"  # Celery broker: its own database number
+    redis_prefix: str = "trainq"
+    data_root: Path = Path("data")
+    runs_root: Path = Path("runs")
+
+    # Anything but "off" keeps auth on, so a typo never opens the API.
+    auth: str = "on"
+    token_cache_s: float = Field(5.0, ge=0)  # a revoked token stops working within this
+
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    # Kept open: a connection past the pool size is opened and closed per request (a
+    # PostgreSQL backend started each time), so the pool covers a busy worker's concurrency.
+    db_pool_size: int = Field(20, ge=1)
+    db_max_overflow: int = Field(10, ge=0)
+    db_timeout_s: float = Field(5.0, gt=0)  # pool checkout and SQLite busy timeout
+    # A full SELECT ping per checkout; off by default, as service.api.db already discards
+    # connections the server closed without a round trip (see its docstring).
+    db_pre_ping: bool = False
+    redis_timeout_s: float = Field(2.0, gt=0)
+
+    # Background loops in the API process; tests switch them off and drive them directly.
+    ingest: bool = True
+    reconcile: bool = True
+    consumer_group: str = "trainq-service"
+    consumer_name: str = Field(default_factory=_default_consumer)
+    ingest_batch: int = Field(500, ge=1, le=100_000)
+    ingest_block_ms: int = Field(1000, ge=1)
+    ingest_claim_idle_ms: int = Field(30_000, ge=0)  # pending entries of a dead consumer
+    reconcile_interval_s: float = Field(2.0, gt=0)
+    heartbeat_grace_s: float = Field(5.0, ge=0)  # a heartbeat missing this long: lost
+    unsent_grace_s: float = Field(5.0, ge=0)  # the request that committed it sends first
+    worker_stale_s: float = Field(15.0, gt=0)
+    dispatch_backoff_s: float = Field(5.0, ge=0)  # after a failed send, requests skip sending
+
+    job_stream_maxlen: int = Field(10_000, ge=10)
+    sse_ping_s: float = Field(15.0, gt=0)
+    # Events queued for one SSE follower before it counts as too slow and is dropped (it
+    # resumes with Last-Event-ID); and the follow Redis pool's size (one per followed job).
+    sse_queue_size: int = Field(1024, ge=1)
+    sse_redis_connections: int = Field(1000, ge=2)
+    log_line_max_chars: int = Field(8192, ge=80)
+    log_chunk_max_lines: int = Field(1000, ge=1)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth.strip().lower() != "off"

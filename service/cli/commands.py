@@ -1,0 +1,361 @@
+"""The client commands of ``trainq``: submit, ls, status, logs, cancel, metrics, workers, data.
+
+``register(app)`` adds them to the ``trainq`` Typer app (``service/cli/main.py``). They speak to
+the API over HTTP (``TRAINQ_URL``, default ``http://127.0.0.1:8000``; ``TRAINQ_TOKEN``) and
+import only typer, httpx and yaml, never torch, Celery or SQLAlchemy, so they start fast;
+httpx itself is imported when a command runs, not for ``--help``. ``data prepare`` loads the
+trainer's shard writer (numpy) only when it runs.
+
+Every failure is one line on stderr (``trainq: error: ...``), never a traceback, with the
+exit codes of ``service.cli.client`` (documented in ``trainq submit --help``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
+
+import typer
+
+from service.cli.output import fmt, outcome_line, table, when
+from service.cli.specfile import SpecError, load_spec
+
+if TYPE_CHECKING:
+    from service.cli.client import Client
+
+__all__ = ["cli_errors", "register", "wait_for_job"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+EXIT_CODES_HELP = """
+Exit codes with --wait (and --follow): 0 the job succeeded; 1 it failed; 2 bad usage or an
+unreadable spec file; 3 it was cancelled; 4 it timed out (max_runtime_s, or --timeout while
+waiting); 5 the service is unreachable or unavailable; 6 the API refused the request (401,
+403, 404, 409, 413, 422: the message names the field).
+"""
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    """Print one line on stderr; the caller raises the returned Exit."""
+    typer.echo(f"trainq: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def cli_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Every error a command meets becomes one line on stderr and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from service.cli.client import EXIT_UNREACHABLE, ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            raise fail(exc.message, exc.exit_code) from None
+        except SpecError as exc:
+            raise fail(str(exc), 2) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except KeyboardInterrupt:
+            typer.echo("", err=True)
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            raise typer.Exit(0) from None  # `trainq logs ID | head`
+        except Exception as exc:  # the last resort: a line, not a traceback
+            name = exc.__class__.__name__
+            raise fail(f"{name}: {exc}", EXIT_UNREACHABLE if "Timeout" in name else 1) from None
+
+    return wrapper
+
+
+def _client() -> Client:
+    from service.cli.client import Client
+
+    return Client()
+
+
+# -- waiting and following --------------------------------------------------------------------
+
+
+def _final(client: Client, job_id: str) -> dict[str, Any]:
+    from service.cli.client import TERMINAL
+
+    job = client.job(job_id)
+    # The stream's terminal event can come a moment before the row says so.
+    for _ in range(20):
+        if job.get("status") in TERMINAL:
+            break
+        time.sleep(0.25)
+        job = client.job(job_id)
+    return job
+
+
+def wait_for_job(
+    client: Client, job_id: str, *, follow: bool, timeout: float | None, quiet: bool = False
+) -> int:
+    """Follow the job's events until it ends; its exit code (see EXIT_CODES_HELP)."""
+    from service.cli.client import EXIT_TIMEOUT, exit_code_for
+    from service.cli.output import Progress
+
+    progress = Progress() if follow else None
+    deadline = time.monotonic() + timeout if timeout else None
+    try:
+        for ev in client.follow_events(job_id, deadline=deadline):
+            if progress is not None:
+                progress.event(ev.event, ev.data)
+    except TimeoutError:
+        if progress is not None:
+            progress.close()
+        typer.echo(f"trainq: error: gave up waiting for job {job_id} after {timeout}s", err=True)
+        return EXIT_TIMEOUT
+    finally:
+        if progress is not None:
+            progress.close()
+    job = _final(client, job_id)
+    code = exit_code_for(job.get("status"), job.get("reason"))
+    if not quiet or code:
+        typer.echo(outcome_line(job), err=bool(code))
+    return code
+
+
+# -- the commands ---------------------------------------------------------------------------
+
+
+def register(app: typer.Typer) -> None:
+    """Add the client commands (and ``data prepare``) to the ``trainq`` app."""
+    data_app = typer.Typer(help="Datasets: token shards for the trainer.", no_args_is_help=True)
+    app.add_typer(data_app, name="data")
+
+    @app.command("submit", epilog=EXIT_CODES_HELP)
+    @cli_errors
+    def submit(
+        spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="job spec, YAML or JSON")],
+        wait: Annotated[
+            bool, typer.Option("--wait", help="wait for the end; exit code from the outcome")
+        ] = False,
+        follow: Annotated[
+            bool, typer.Option("--follow", help="show live progress until the end (implies --wait)")
+        ] = False,
+        idempotency_key: Annotated[
+            str | None,
+            typer.Option("--idempotency-key", help="submitting the same key again is a no-op"),
+        ] = None,
+        overrides: Annotated[
+            list[str] | None,
+            typer.Option("--set", metavar="KEY.PATH=VALUE", help="override a spec value"),
+        ] = None,
+        timeout: Annotated[
+            float | None, typer.Option("--timeout", help="give up waiting after SECONDS (exit 4)")
+        ] = None,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the job id")] = False,
+    ) -> None:
+        """Submit a job; print its id and URL. --wait/--follow gate on its outcome."""
+        spec = load_spec(spec_file, overrides or [])
+        with _client() as client:
+            job = client.submit(spec, idempotency_key)
+            job_id = str(job["id"])
+            if quiet:
+                typer.echo(job_id)
+            else:
+                again = "" if job.get("status") == "queued" else f" ({job.get('status')})"
+                typer.echo(f"job {job_id} submitted{again}: {client.job_url(job_id)}")
+            if wait or follow:
+                raise typer.Exit(
+                    wait_for_job(client, job_id, follow=follow, timeout=timeout, quiet=quiet)
+                )
+
+    @app.command("ls")
+    @cli_errors
+    def ls(
+        status: Annotated[str | None, typer.Option("--status", help="queued, running, ...")] = None,
+        label: Annotated[
+            list[str] | None, typer.Option("--label", metavar="KEY:VALUE", help="label filter")
+        ] = None,
+        name: Annotated[str | None, typer.Option("--name", help="job name")] = None,
+        limit: Annotated[int, typer.Option("--limit", min=1, max=500)] = 50,
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+    ) -> None:
+        """List jobs, newest first."""
+        with _client() as client:
+            page = client.jobs(status=status, labels=label, name=name, limit=limit)
+        if as_json:
+            typer.echo(json.dumps(page, indent=2))
+            return
+        rows = []
+        for j in page.get("items", []):
+            latest = j.get("latest") or {}
+            steps = f"{latest.get('step')}/{latest.get('steps')}" if latest else "-"
+            rows.append(
+                [
+                    j["id"],
+                    j.get("name", ""),
+                    j.get("status", ""),
+                    j.get("queue", ""),
+                    steps,
+                    fmt(latest.get("loss"), ".4f"),
+                    when(j.get("created_at")),
+                ]
+            )
+        header = ["ID", "NAME", "STATUS", "QUEUE", "STEP", "LOSS", "CREATED"]
+        typer.echo(table(rows, header) if rows else "no jobs")
+
+    @app.command("status")
+    @cli_errors
+    def status_cmd(
+        job_id: Annotated[str, typer.Argument(metavar="ID")],
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+    ) -> None:
+        """One job: status, reason, attempts, latest metrics, why it waits."""
+        with _client() as client:
+            job = client.job(job_id)
+        if as_json:
+            typer.echo(json.dumps(job, indent=2))
+            return
+        lines = [f"job {job['id']}  {job.get('name')}  [{job.get('queue')}]"]
+        state = str(job.get("status"))
+        if job.get("reason"):
+            state += f" ({job['reason']})"
+        if job.get("message"):
+            state += f": {' '.join(str(job['message']).split())}"
+        lines.append(f"status:   {state}")
+        if job.get("pending_reason"):
+            lines.append(f"waiting:  {job['pending_reason']}")
+        latest = job.get("latest")
+        if latest:
+            lines.append(
+                f"progress: step {latest.get('step')}/{latest.get('steps')}  "
+                f"loss {fmt(latest.get('loss'), '.4f')}  val {fmt(latest.get('val_loss'), '.4f')}"
+                f"  {fmt(latest.get('tokens_per_s'), ',.0f')} tok/s"
+            )
+        for a in job.get("attempts") or []:
+            where = a.get("host") or "-"
+            ended = f" exit {a['exit_code']}" if a.get("exit_code") is not None else ""
+            why = f" ({a['reason']})" if a.get("reason") else ""
+            lines.append(f"attempt {a.get('number')}: {a.get('status')} on {where}{ended}{why}")
+        lines.append(f"created:  {when(job.get('created_at'))}  ended: {when(job.get('ended_at'))}")
+        typer.echo("\n".join(lines))
+
+    @app.command("logs")
+    @cli_errors
+    def logs(
+        job_id: Annotated[str, typer.Argument(metavar="ID")],
+        follow: Annotated[
+            bool, typer.Option("--follow", "-f", help="keep printing until the job ends")
+        ] = False,
+        tail: Annotated[
+            int | None, typer.Option("--tail", min=0, help="only the last N lines first")
+        ] = None,
+    ) -> None:
+        """Print a job's log lines (every rank, tagged); -f follows until the job ends."""
+        with _client() as client:
+            if not follow:
+                sys.stdout.write(client.logs(job_id, tail=tail))
+                sys.stdout.flush()
+                return
+            for text in client.follow_logs(job_id, tail=tail):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
+    @app.command("cancel")
+    @cli_errors
+    def cancel(job_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+        """Cancel a job (idempotent): queued ends at once, running stops within the grace."""
+        with _client() as client:
+            job = client.cancel(job_id)
+        typer.echo(f"job {job['id']} {job.get('status')}")
+
+    @app.command("metrics")
+    @cli_errors
+    def metrics(
+        job_id: Annotated[str, typer.Argument(metavar="ID")],
+        csv: Annotated[bool, typer.Option("--csv", help="CSV, every metric column")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+        max_points: Annotated[int, typer.Option("--max-points", min=1, max=100_000)] = 1000,
+    ) -> None:
+        """A job's metrics by step (downsampled to --max-points)."""
+        with _client() as client:
+            if csv:
+                sys.stdout.write(client.metrics_csv(job_id, max_points=max_points))
+                return
+            out = client.metrics(job_id, max_points=max_points)
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))
+            return
+        rows = [
+            [
+                str(p["step"]),
+                fmt(p.get("loss"), ".4f"),
+                fmt(p.get("val_loss"), ".4f"),
+                fmt(p.get("lr"), ".2e"),
+                fmt(p.get("tokens_per_s"), ",.0f"),
+                fmt(p.get("step_time_s"), ".3f"),
+            ]
+            for p in out.get("points", [])
+        ]
+        header = ["STEP", "LOSS", "VAL_LOSS", "LR", "TOK/S", "STEP_S"]
+        typer.echo(table(rows, header) if rows else "no metrics yet")
+
+    @app.command("workers")
+    @cli_errors
+    def workers(
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+    ) -> None:
+        """Live workers: queues, slots, GPUs, running jobs."""
+        with _client() as client:
+            out = client.workers()
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))
+            return
+        rows = [
+            [
+                w["name"],
+                w.get("host") or "-",
+                ",".join(w.get("queues") or []) or "-",
+                fmt(w.get("slots")),
+                ",".join(map(str, w.get("gpus") or [])) or "-",
+                ",".join(w.get("running") or []) or "-",
+                f"{w.get('age_s', 0):.0f}s",
+            ]
+            for w in out.get("items", [])
+        ]
+        header = ["NAME", "HOST", "QUEUES", "SLOTS", "GPUS", "RUNNING", "SEEN"]
+        typer.echo(table(rows, header) if rows else "no live workers")
+
+    @data_app.command("prepare")
+    @cli_errors
+    def data_prepare(
+        files: Annotated[list[Path], typer.Argument(metavar="FILE...", help="UTF-8 text files")],
+        out: Annotated[Path, typer.Option("--out", help="output folder for the shards")],
+        val_fraction: Annotated[float, typer.Option("--val-fraction", min=0.0, max=0.99)] = 0.1,
+        shard_tokens: Annotated[
+            int | None, typer.Option("--shard-tokens", min=1, help="tokens per shard")
+        ] = None,
+        tokenizer: Annotated[
+            Path | None, typer.Option("--tokenizer", help="a Hugging Face tokenizer.json")
+        ] = None,
+        overwrite: Annotated[
+            bool, typer.Option("--overwrite", help="replace shards already in --out")
+        ] = False,
+    ) -> None:
+        """Tokenize text files into llm.c-format train/val shards (byte-level by default)."""
+        from trainer.data import DataError
+        from trainer.prepare import DEFAULT_SHARD_TOKENS, prepare
+
+        try:
+            summary = prepare(
+                files,
+                out,
+                val_fraction=val_fraction,
+                shard_tokens=shard_tokens or DEFAULT_SHARD_TOKENS,
+                tokenizer=tokenizer,
+                overwrite=overwrite,
+            )
+        except DataError as exc:
+            raise fail(str(exc), 1) from None
+        typer.echo(summary.line())

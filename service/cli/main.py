@@ -1,0 +1,194 @@
+"""The ``trainq`` command: database migrations, API tokens, the API server, a worker,
+``trainq up`` (``service.local``), and the client commands registered from ``service.cli.commands``.
+
+Each command imports only what it needs (the API server imports no Celery, the token
+commands no FastAPI, nothing imports torch), so the CLI starts fast on any host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from service.cli.commands import register
+from service.local.demo import DEMO_STEPS
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from service.api.settings import Settings
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    help="trainq: a job service for distributed PyTorch training.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="The SQL store's schema.", no_args_is_help=True)
+token_app = typer.Typer(help="API bearer tokens.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+def _settings() -> Settings:
+    from service.api.settings import Settings
+
+    return Settings()
+
+
+def _sessions() -> sessionmaker[Session]:
+    from service.api.db import make_engine, make_sessionmaker
+
+    settings = _settings()
+    return make_sessionmaker(make_engine(settings))
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    from service.api import migrate
+
+    url = _settings().database_url
+    migrate.upgrade(url, revision)
+    typer.echo(f"database at revision {migrate.current(url)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
+    """Revert migrations down to REVISION ("base" removes every table)."""
+    from service.api import migrate
+
+    url = _settings().database_url
+    migrate.downgrade(url, revision)
+    typer.echo(f"database at revision {migrate.current(url)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the database's current revision."""
+    from service.api import migrate
+
+    typer.echo(migrate.current(_settings().database_url) or "(empty)")
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Option("--name", help="owner of the jobs this token submits")],
+    admin: Annotated[bool, typer.Option("--admin", help="sees and cancels every job")] = False,
+) -> None:
+    """Create a token; it is printed once, alone on the last line, and never stored."""
+    from service.api.auth import create_token
+
+    name = name.strip()
+    if not name or len(name) > 128:
+        raise typer.BadParameter("a name of 1 to 128 characters", param_hint="--name")
+    with _sessions()() as session, session.begin():
+        token = create_token(session, name, admin=admin)
+    kind = "admin token" if admin else "token"
+    typer.echo(f"created {kind} for {name!r}; store it now, it is not shown again:")
+    typer.echo(token)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """List tokens (id, name, admin, created, revoked); never the tokens themselves."""
+    from service.api.auth import list_tokens
+
+    with _sessions()() as session:
+        rows = list_tokens(session)
+    for t in rows:
+        revoked = t.revoked_at.isoformat(timespec="seconds") if t.revoked_at else "-"
+        typer.echo(
+            f"{t.id}\t{t.name}\t{'admin' if t.admin else 'user'}\t"
+            f"{t.created_at.isoformat(timespec='seconds')}\trevoked={revoked}"
+        )
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[
+        str | None, typer.Option("--name", help="revoke every token of this name")
+    ] = None,
+    token_id: Annotated[int | None, typer.Option("--id", help="revoke one token by id")] = None,
+) -> None:
+    """Revoke tokens by --name or --id (effective within TRAINQ_TOKEN_CACHE_S)."""
+    from service.api.auth import revoke_tokens
+
+    if (name is None) == (token_id is None):
+        raise typer.BadParameter("give exactly one of --name or --id")
+    with _sessions()() as session, session.begin():
+        n = revoke_tokens(session, name=name, token_id=token_id)
+    typer.echo(f"revoked {n} token(s)")
+    if n == 0:
+        raise typer.Exit(1)
+
+
+@app.command("api")
+def api(
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+    workers: Annotated[int, typer.Option(help="uvicorn worker processes")] = 1,
+) -> None:
+    """Serve the REST API (service.api.app:app) with uvicorn."""
+    import uvicorn
+
+    from service.api.db import ensure_sqlite_dir
+
+    ensure_sqlite_dir(_settings().database_url)
+    uvicorn.run("service.api.app:app", host=host, port=port, workers=workers, log_level="info")
+
+
+@app.command("worker")
+def worker(
+    queues: Annotated[str, typer.Option(help="comma-separated queues to serve")] = "default",
+    slots: Annotated[int, typer.Option(help="attempts run at once")] = 1,
+    gpus: Annotated[str | None, typer.Option(help="comma-separated GPU indices")] = None,
+    hostname: Annotated[str | None, typer.Option(help="worker name (default: the host's)")] = None,
+) -> None:
+    """Run a Celery worker on this host (the worker package; no database access)."""
+    from worker.cli import run  # type: ignore[import-not-found,unused-ignore]
+
+    queue_list = [q.strip() for q in queues.split(",") if q.strip()]
+    try:
+        gpu_list = [int(g) for g in gpus.split(",") if g.strip()] if gpus else None
+    except ValueError as exc:
+        raise typer.BadParameter("GPU indices are integers, e.g. 0,1", param_hint="--gpus") from exc
+    try:
+        run(queues=queue_list, slots=slots, gpus=gpu_list, hostname=hostname)
+    except ValueError as exc:  # empty queues, GPUs that do not divide across slots
+        typer.echo(f"trainq worker: error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command("up")
+def up_cmd(
+    host: Annotated[
+        str, typer.Option(help="address of the API; not loopback: auth is required")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port of the API")] = 8000,
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="SQLite, Redis, datasets, runs and logs")
+    ] = Path(".trainq"),
+    demo: Annotated[
+        bool, typer.Option("--demo", help="also train a tiny model on a bundled corpus")
+    ] = False,
+    demo_steps: Annotated[
+        int, typer.Option("--demo-steps", min=1, max=100_000, help="steps of the demo job")
+    ] = DEMO_STEPS,
+) -> None:
+    """Run everything on this machine: SQLite, Redis, the API and a worker. Ctrl-C stops it."""
+    from service.local.up import up
+
+    raise typer.Exit(up(host, port, data_dir, demo, demo_steps=demo_steps))
+
+
+# The HTTP client commands (submit, ls, status, logs, cancel, metrics, workers, data) live in
+# their own module, which imports only typer, httpx and yaml at this point.
+register(app)
+
+
+def main() -> None:
+    app()

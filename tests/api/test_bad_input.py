@@ -1,0 +1,164 @@
+"""Bad input gets a clear 4xx naming the field; auth scopes jobs to their owner."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.support import Api
+
+
+def _post(api: Api, body: Any, **kw: Any) -> Any:
+    return api.client.post("/v1/jobs", json=body, headers=api.headers(), **kw)
+
+
+def _locs(resp: Any) -> list[list[Any]]:
+    assert resp.status_code == 422, resp.text
+    return [e["loc"] for e in resp.json()["detail"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"train": {"steps": 0}}, ["body", "train", "steps"]),
+        ({"train": {"model": {"n_layer": "two"}}}, ["body", "train", "model", "n_layer"]),
+        ({"train": {"model": {"d_model": 64, "n_head": 3}}}, ["body", "train", "model"]),
+        ({"train": {"optim": {"lr": -1}}}, ["body", "train", "optim", "lr"]),
+        ({"train": {}, "nodes": 10_000}, ["body", "nodes"]),
+        ({"train": {}, "retries": -1}, ["body", "retries"]),
+        ({"train": {}, "queue": "bad queue!"}, ["body", "queue"]),
+        ({"train": {}, "labels": {"k": 1}}, ["body", "labels", "k"]),
+        ({"train": {}, "colour": "red"}, ["body", "colour"]),  # unknown field
+        ({"train": {"lr": 1}}, ["body", "train", "lr"]),  # unknown nested field
+        ({}, ["body", "train"]),
+        # PostgreSQL cannot store U+0000: refused at the edge, not a failed statement (503)
+        ({"train": {}, "name": "a\x00b"}, ["body", "name"]),
+        ({"train": {}, "labels": {"k": "v\x00"}}, ["body", "labels", "k"]),
+        ({"train": {"data": {"path": "tiny\x00"}}}, ["body", "train", "data", "path"]),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field(api: Api, body: Any, loc: list[Any]) -> None:
+    assert loc in _locs(_post(api, body))
+
+
+def test_not_json_not_an_object_bad_yaml(api: Api) -> None:
+    h = api.headers()
+    assert _locs(api.client.post("/v1/jobs", content=b"{nope", headers=h)) == [["body"]]
+    assert _locs(api.client.post("/v1/jobs", json=[1, 2], headers=h)) == [["body"]]
+    yaml_h = {**h, "Content-Type": "application/yaml"}
+    assert _locs(api.client.post("/v1/jobs", content=b"a: [1", headers=yaml_h)) == [["body"]]
+    bomb = b"a: &a [x, x]\nb: &b [*a, *a]\ntrain: {}\n"
+    resp = api.client.post("/v1/jobs", content=bomb, headers=yaml_h)
+    assert resp.status_code == 422 and "alias" in resp.json()["detail"][0]["msg"]
+    bad_key = {**h, "Idempotency-Key": "has space"}
+    assert ["header", "idempotency-key"] in _locs(
+        api.client.post("/v1/jobs", json={"train": {}}, headers=bad_key)
+    )
+
+
+@pytest.fixture()
+def escape_link(data_root: Path, tmp_path: Path) -> Iterator[str]:
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    link = data_root / f"link-{os.getpid()}-{tmp_path.name}"
+    link.symlink_to(outside, target_is_directory=True)
+    yield link.name
+    link.unlink()
+
+
+def test_data_paths_stay_inside_the_data_root(api: Api, escape_link: str) -> None:
+    for path in ["../etc", "tiny/../../x", "/etc/passwd", escape_link]:
+        resp = _post(api, {"train": {"data": {"path": path}}})
+        assert _locs(resp) == [["body", "train", "data", "path"]], path
+    assert _post(api, {"queue": api.queue, "train": {"data": {"path": "tiny"}}}).status_code == 201
+
+
+def test_body_over_the_limit_is_413(api: Api) -> None:
+    big = b'{"name": "' + b"x" * (1024 * 1024 + 10) + b'"}'
+    resp = api.client.post("/v1/jobs", content=big, headers=api.headers())
+    assert resp.status_code == 413 and "larger than" in resp.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams
+        yield b'{"name": "'
+        for _ in range(20):
+            yield b"y" * 65536
+        yield b'"}'
+
+    streamed = api.client.post("/v1/jobs", content=chunks(), headers=api.headers())
+    assert streamed.status_code == 413
+
+
+def test_bad_query_parameters(api: Api) -> None:
+    h = api.headers()
+    assert _locs(api.client.get("/v1/jobs", params={"limit": 0}, headers=h)) == [["query", "limit"]]
+    assert _locs(api.client.get("/v1/jobs", params={"cursor": "!!"}, headers=h)) == [
+        ["query", "cursor"]
+    ]
+    assert _locs(api.client.get("/v1/jobs", params={"label": "nocolon"}, headers=h)) == [
+        ["query", "label"]
+    ]
+    assert _locs(api.client.get("/v1/jobs", params={"status": "done"}, headers=h)) == [
+        ["query", "status"]
+    ]
+    assert api.client.get("/v1/jobs/NOT-HEX", headers=h).status_code == 422
+    assert api.client.get("/v1/jobs/abc123", headers=h).status_code == 404
+    for param in ({"name": "a\x00"}, {"label": "k:v\x00"}):
+        key = next(iter(param))
+        assert _locs(api.client.get("/v1/jobs", params=param, headers=h)) == [["query", key]]
+
+
+def test_auth_required_and_scoped(api: Api) -> None:
+    job = api.submit()
+    assert api.client.get(f"/v1/jobs/{job['id']}").status_code == 401
+    unknown = api.client.get(f"/v1/jobs/{job['id']}", headers={"Authorization": "Bearer tq_nope"})
+    assert unknown.status_code == 401 and unknown.headers["www-authenticate"] == "Bearer"
+    basic = api.client.get("/v1/jobs", headers={"Authorization": "Basic eDp5"})
+    assert basic.status_code == 401
+    # Another owner's job does not exist for them; their list does not show it.
+    other = api.headers(api.other_token)
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=other).status_code == 404
+    assert api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=other).status_code == 404
+    assert api.client.get(f"/v1/jobs/{job['id']}/logs", headers=other).status_code == 404
+    assert api.client.get(f"/v1/jobs/{job['id']}/events", headers=other).status_code == 404
+    assert job["id"] not in [
+        i["id"] for i in api.client.get("/v1/jobs", headers=other).json()["items"]
+    ]
+    # The admin sees it.
+    admin = api.headers(api.admin_token)
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=admin).json()["owner"] == api.user
+    listed = api.client.get("/v1/jobs", params={"limit": 500}, headers=admin).json()["items"]
+    assert job["id"] in [i["id"] for i in listed]
+
+
+def test_revoked_token_stops_working(api: Api, make_settings: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.api.app import create_app
+    from service.api.auth import create_token, revoke_tokens
+
+    app = create_app(make_settings(token_cache_s=0))
+    s = app.state.services
+    with s.sessions() as session, session.begin():
+        token = create_token(session, "carol-revoked")
+    with TestClient(app) as client:
+        h = {"Authorization": f"Bearer {token}"}
+        assert client.get("/v1/jobs", headers=h).status_code == 200
+        with s.sessions() as session, session.begin():
+            assert revoke_tokens(session, name="carol-revoked") == 1
+        assert client.get("/v1/jobs", headers=h).status_code == 401
+
+
+def test_auth_off_only_when_said_so(make_settings: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.api.app import create_app
+
+    assert make_settings(auth="typo").auth_enabled
+    assert make_settings(auth="OFF").auth_enabled is False
+    with TestClient(create_app(make_settings(auth="off"))) as client:
+        resp = client.get("/v1/jobs")
+        assert resp.status_code == 200

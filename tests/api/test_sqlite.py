@@ -1,0 +1,63 @@
+"""The embedded default: SQLite (WAL, busy timeout, foreign keys) runs the same lifecycle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from service.api import migrate
+from service.api.app import create_app
+from tests.api.support import Api, WorkerSim, make_tokens
+
+
+@pytest.fixture()
+def sqlite_api(make_settings: Callable[..., Any], tmp_path: Path) -> Iterator[Api]:
+    url = f"sqlite:///{tmp_path / 'embedded' / 'trainq.db'}"
+    migrate.upgrade(url)
+    app = create_app(make_settings(database_url=url))
+    services = app.state.services
+    user, token, other, admin = make_tokens(services)
+    with TestClient(app) as client:
+        yield Api(app, client, services, user, token, other, admin)
+
+
+def test_sqlite_pragmas(sqlite_api: Api) -> None:
+    with sqlite_api.services.engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+        assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 2000
+
+
+def test_sqlite_lifecycle_with_retry(sqlite_api: Api) -> None:
+    api = sqlite_api
+    job = api.submit(retries=1, labels={"env": "laptop"})
+    w1 = WorkerSim(api.services.redis, api.keys, job["id"], 1)
+    w1.claim()
+    w1.running()
+    w1.metric(1)
+    w1.log((0, "hi"))
+    api.drain()
+    w1.stop_heartbeat()
+    assert api.reconciler().run_once() == {"sent": 0, "lost": 1}
+    w2 = WorkerSim(api.services.redis, api.keys, job["id"], 2)
+    w2.running()
+    w2.metric(2)
+    w2.exited(0)
+    api.drain()
+    got = api.get(job["id"])
+    assert got["status"] == "succeeded" and [a["status"] for a in got["attempts"]] == [
+        "lost",
+        "exited",
+    ]
+    assert got["created_at"].endswith(("+00:00", "Z"))  # UTC although SQLite stores naive
+    listed = api.client.get(
+        "/v1/jobs", params={"label": "env:laptop"}, headers=api.headers()
+    ).json()
+    assert [i["id"] for i in listed["items"]] == [job["id"]]
+    points = api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=api.headers()).json()
+    assert [p["step"] for p in points["points"]] == [1, 2]
