@@ -41,7 +41,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a spec is a contract for CI, so "5" is not an int and true is not a number.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelConfig(_Strict):
@@ -152,9 +153,9 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> TrainConfig:
             if path.suffix.lower() == ".json":
                 raw = json.loads(text)
             else:
-                import yaml  # YAML is a superset of JSON, so any other suffix goes here
+                from trainer.yamlspec import load_yaml  # any other suffix: YAML (and JSON)
 
-                raw = yaml.safe_load(text)
+                raw = load_yaml(text)
         except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError (not a ValueError)
             raise ConfigError(f"config {path} is not valid JSON/YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -4,7 +4,8 @@ Celery only carries the job message. Early ack on purpose: a redelivered message
 our recovery path (a lost attempt is found by its expired heartbeat and retried as a new
 attempt by the service), and the claim makes any stray redelivery a no-op anyway.
 Queues are declared explicitly, one per trainq queue, exactly as the service's
-``send_task(..., queue=name)`` creates them (direct exchange and routing key = name).
+``send_task(..., queue=name)`` creates them (direct exchange and routing key = name), where
+``name`` is the queue's broker name (``worker.message.broker_queue``: ``trainq.{queue}``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from worker.context import WorkerContext
+from worker.message import broker_queue, spec_queue
 from worker.registry import Registry
 from worker.settings import WorkerSettings
 
@@ -48,8 +50,10 @@ app.conf.update(
 _context: WorkerContext | None = None
 
 
-def queues_for(names: Sequence[str]) -> list[Queue]:
-    return [Queue(n, Exchange(n, type="direct"), routing_key=n) for n in names]
+def queues_for(names: Sequence[str], prefix: str = "trainq") -> list[Queue]:
+    """The broker queues for trainq queues ``names`` (each under the prefix)."""
+    broker = [broker_queue(n, prefix) for n in names]
+    return [Queue(b, Exchange(b, type="direct"), routing_key=b) for b in broker]
 
 
 def configure(ctx: WorkerContext) -> Registry:
@@ -58,8 +62,8 @@ def configure(ctx: WorkerContext) -> Registry:
     _context = ctx
     app.conf.update(
         broker_url=ctx.settings.broker_url,
-        task_queues=queues_for(ctx.queues),
-        task_default_queue=ctx.queues[0],
+        task_queues=queues_for(ctx.queues, ctx.settings.redis_prefix),
+        task_default_queue=broker_queue(ctx.queues[0], ctx.settings.redis_prefix),
     )
     registry = Registry(ctx)
 
@@ -84,6 +88,7 @@ def context() -> WorkerContext:
     """The running worker's context (built from settings if started by plain `celery`)."""
     global _context
     if _context is None:
-        names = [q.name for q in app.conf.task_queues or ()] or ["celery"]
-        _context = WorkerContext(WorkerSettings(), queues=names)
+        settings = WorkerSettings()
+        names = [spec_queue(q.name, settings.redis_prefix) for q in app.conf.task_queues or ()]
+        _context = WorkerContext(settings, queues=names or ["default"])
     return _context

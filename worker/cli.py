@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from worker.context import WorkerContext
+from worker.message import QUEUE_PATTERN, broker_queue
 from worker.settings import WorkerSettings
 
 __all__ = ["main", "run"]
@@ -18,14 +20,22 @@ def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | N
     queues = [q.strip() for q in queues if q.strip()]
     if not queues:
         raise ValueError("a worker needs at least one queue")
+    for queue in queues:
+        if not re.fullmatch(QUEUE_PATTERN, queue):
+            raise ValueError(
+                f"queue name {queue!r} must be 1-64 letters, digits, '.', '_' or '-',"
+                " starting with a letter or digit"
+            )
     from worker.celery_app import app, configure
 
-    ctx = WorkerContext(WorkerSettings(), queues=queues, slots=slots, gpus=gpus, name=hostname)
+    settings = WorkerSettings()
+    ctx = WorkerContext(settings, queues=queues, slots=slots, gpus=gpus, name=hostname)
     configure(ctx)
+    broker = [broker_queue(q, settings.redis_prefix) for q in queues]
     app.worker_main(
         [
             "worker",
-            f"--queues={','.join(queues)}",
+            f"--queues={','.join(broker)}",
             f"--concurrency={slots}",
             f"--hostname=trainq@{ctx.name}",
             "--loglevel=INFO",

@@ -12,9 +12,30 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.config import TrainConfig
 
-__all__ = ["TASK_NAME", "JobMessage"]
+__all__ = ["QUEUE_PATTERN", "TASK_NAME", "JobMessage", "broker_queue", "spec_queue"]
 
 TASK_NAME = "trainq.run_attempt"
+
+# What a queue name in a spec or on `trainq worker --queues` may be.
+QUEUE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+def broker_queue(queue: str, prefix: str = "trainq") -> str:
+    """The broker's name for trainq queue ``queue``: ``{prefix}.{queue}``.
+
+    A user-chosen string never names a broker key by itself: kombu keeps its own bookkeeping
+    in the broker database (``unacked``, ``unacked_index``, ``_kombu.binding.*``), and a
+    queue named like one of those would be a list where kombu expects a hash or a sorted set,
+    which kills every worker on the broker. Every trainq queue lives under the prefix, which
+    none of kombu's or Celery's names start with.
+    """
+    return f"{prefix}.{queue}"
+
+
+def spec_queue(name: str, prefix: str = "trainq") -> str:
+    """``broker_queue``'s inverse (a name without the prefix is returned as it is)."""
+    head = prefix + "."
+    return name[len(head) :] if name.startswith(head) else name
 
 
 class JobMessage(BaseModel):

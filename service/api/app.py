@@ -183,14 +183,23 @@ def _error(status: int, detail: Any) -> JSONResponse:
 def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(TrainqError)
     async def _trainq(_: Request, exc: TrainqError) -> JSONResponse:
-        from service.api.errors import InvalidInput, Unauthorized
+        from service.api.errors import InvalidInput, TooManyRequests, Unauthorized
 
         if isinstance(exc, InvalidInput):
             return _error(422, exc.errors)
         response = _error(exc.status_code, exc.message)
         if isinstance(exc, Unauthorized):
             response.headers["WWW-Authenticate"] = "Bearer"
+        if isinstance(exc, TooManyRequests):
+            response.headers["Retry-After"] = str(exc.retry_after)
         return response
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        # Bodies are depth-checked before parsing; this is the net under that check.
+        log.warning("request too deeply nested: %s", exc)
+        msg = "the request is nested too deeply"
+        return _error(422, [{"loc": ["body"], "msg": msg, "type": "value_error"}])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -250,7 +259,13 @@ def build_services(settings: Settings) -> Services:
         redis=sync,
         aredis=follow,
         areader=areader,
-        hub=StreamHub(follow, ping_s=settings.sse_ping_s, queue_size=settings.sse_queue_size),
+        hub=StreamHub(
+            follow,
+            ping_s=settings.sse_ping_s,
+            queue_size=settings.sse_queue_size,
+            max_streams=settings.sse_max_streams,
+            max_per_owner=settings.sse_max_streams_per_owner,
+        ),
         dispatcher=dispatcher,
         submits=GroupCommit(areader, dispatcher) if areader is not None else None,
         tokens=TokenCache(reader.connect, settings.token_cache_s),
@@ -303,6 +318,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        # /docs is served from the vendored Swagger UI (service.api.dashboard), not a CDN;
+        # ReDoc has no vendored copy, so it is off rather than blank.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.services = services
     registry, observe = telemetry.build_registry(services)

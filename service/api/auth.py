@@ -13,6 +13,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -103,15 +104,24 @@ def _known(principal: Principal | None) -> Principal:
 
 
 class TokenCache:
-    """Resolves a bearer token to its principal, remembering answers for ``ttl_s``."""
+    """Resolves a bearer token to its principal, remembering answers for ``ttl_s``.
+
+    Two bounded LRU maps: known tokens, and unknown ones (so a client sending random tokens
+    costs one lookup per token, not one per request). Kept apart, so no number of unknown
+    tokens can push a real one out, and each evicts only its least recently used entries."""
 
     def __init__(
-        self, connect: Callable[[], AbstractContextManager[Session | Connection]], ttl_s: float
+        self,
+        connect: Callable[[], AbstractContextManager[Session | Connection]],
+        ttl_s: float,
+        max_entries: int = 10_000,
     ) -> None:
         self._connect = connect
         self._ttl = ttl_s
+        self._max = max_entries
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._known: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
+        self._unknown: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
 
     def resolve_cached(self, authorization: str | None) -> Principal:
         """The answer without touching the database; LookupError if it would have to."""
@@ -148,14 +158,24 @@ class TokenCache:
 
     def _fresh(self, digest: str, now: float) -> tuple[float, Principal | None] | None:
         """The cached answer for ``digest`` (None: an unknown token) unless absent or stale."""
-        hit = self._cache.get(digest)
-        return hit if hit is not None and now - hit[0] < self._ttl else None
+        with self._lock:
+            for cache in (self._known, self._unknown):
+                hit = cache.get(digest)
+                if hit is not None:
+                    if now - hit[0] >= self._ttl:
+                        return None
+                    cache.move_to_end(digest)
+                    return hit
+        return None
 
     def _remember(self, digest: str, now: float, principal: Principal | None) -> None:
         with self._lock:
-            if len(self._cache) > 10_000:  # unknown tokens must not grow it forever
-                self._cache.clear()
-            self._cache[digest] = (now, principal)
+            self._known.pop(digest, None)
+            self._unknown.pop(digest, None)
+            cache = self._known if principal is not None else self._unknown
+            cache[digest] = (now, principal)
+            while len(cache) > self._max:
+                cache.popitem(last=False)  # the least recently used
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._connect() as conn:

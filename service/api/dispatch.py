@@ -24,9 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.models import ATTEMPTS, JOBS, utcnow
 from service.api.settings import Settings
-from worker.message import TASK_NAME, JobMessage
+from worker.message import TASK_NAME, JobMessage, broker_queue
 
-__all__ = ["Dispatcher", "dispatch_attempts", "job_message"]
+__all__ = ["Dispatcher", "dispatch_attempts", "job_message", "message_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,12 @@ class Dispatcher:
             self._app().send_task(
                 TASK_NAME,
                 args=[message.to_json()],
-                queue=message.queue,
+                queue=broker_queue(message.queue, self._settings.redis_prefix),
                 retry=False,
                 producer=getattr(self._batch, "producer", None),
                 # Celery would saferepr() the whole spec for these headers: a third of a send.
-                argsrepr=(
-                    f"(job {message.job_id} attempt {message.attempt} node {message.node_rank})"
-                ),
+                # The tag is also how the reconciler finds the message in its queue.
+                argsrepr=message_tag(message.job_id, message.attempt, message.node_rank),
                 kwargsrepr="{}",
             )
         except Exception as exc:  # kombu OperationalError, redis errors, OSError
@@ -132,6 +131,12 @@ class Dispatcher:
             if self._celery is not None:
                 self._celery.close()
                 self._celery = None
+
+
+def message_tag(job_id: str, attempt: int, node_rank: int) -> str:
+    """The ``argsrepr`` header of one node's message: readable in the broker, and unique to
+    (job, attempt, node), so ``Reconciler.resend_orphaned`` can look for it in a queue."""
+    return f"(job {job_id} attempt {attempt} node {node_rank})"
 
 
 def job_message(row: Mapping[Any, Any], attempt: int, node_rank: int = 0) -> JobMessage:

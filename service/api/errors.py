@@ -6,8 +6,11 @@
     ├── Unauthorized      401   missing, unknown or revoked bearer token
     ├── NotFound          404   no such job (or not yours: the same answer)
     ├── Conflict          409   an idempotency key reused with a different spec
-    ├── PayloadTooLarge   413   a body over TRAINQ_MAX_BODY_BYTES
+    ├── Forbidden         403   a valid token asking for what it may not (an admin view)
+    ├── PayloadTooLarge   413   a body over TRAINQ_MAX_BODY_BYTES (or a YAML one over
+    │                           TRAINQ_MAX_YAML_BYTES)
     ├── InvalidInput      422   carries pydantic-style ``errors`` with the field's ``loc``
+    ├── TooManyRequests   429   over a limit (open streams); ``retry_after`` seconds
     └── Unavailable       503   a store is down; the next request tries again
         ├── DatabaseUnavailable
         └── RedisUnavailable
@@ -23,10 +26,12 @@ from typing import Any
 __all__ = [
     "Conflict",
     "DatabaseUnavailable",
+    "Forbidden",
     "InvalidInput",
     "NotFound",
     "PayloadTooLarge",
     "RedisUnavailable",
+    "TooManyRequests",
     "TrainqError",
     "Unauthorized",
     "Unavailable",
@@ -49,6 +54,10 @@ class NotFound(TrainqError):
     status_code = 404
 
 
+class Forbidden(TrainqError):
+    status_code = 403
+
+
 class Conflict(TrainqError):
     status_code = 409
 
@@ -67,6 +76,14 @@ class InvalidInput(TrainqError):
     @classmethod
     def at(cls, loc: list[str | int], message: str) -> InvalidInput:
         return cls(message, [{"loc": loc, "msg": message, "type": "value_error"}])
+
+
+class TooManyRequests(TrainqError):
+    status_code = 429
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Unavailable(TrainqError):

@@ -10,13 +10,21 @@ replicas (a Redis lock with a token, released only by its holder).
   trainer resumes from its checkpoint) while retries remain, else fails it with reason
   ``lost``. The grace covers the moment between a
   worker's exit event and its ingestion, when the heartbeat is already deleted.
+- An attempt that was sent but that no worker claimed, and whose message is in no broker
+  queue, is sent again (``resend_orphaned``, every ``orphan_check_s``): the broker lost its
+  data (a Redis restart without persistence, a flush), or a worker died holding the
+  message. The store is the truth, the broker only carries; the worker's claim makes a
+  duplicate harmless. Seen missing on two checks in a row, so a message that a worker has
+  just taken and not yet claimed is not mistaken for a lost one.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
+import time
 from datetime import UTC, timedelta
 from typing import Any
 
@@ -29,6 +37,7 @@ from service.api.notify import publish_status, signal_stop
 from service.api.settings import Settings
 from service.api.state import Outcome, attempt_lost
 from trainer.events import Keys
+from worker.message import broker_queue
 
 __all__ = ["Reconciler"]
 
@@ -38,6 +47,12 @@ log = logging.getLogger(__name__)
 # Dispatched attempts checked per pass for a claim without a heartbeat (a worker that died
 # between claiming and launching); a long queue is walked over several passes.
 DISPATCHED_WINDOW = 2000
+
+# Sent attempts checked per orphan check (oldest first).
+ORPHAN_WINDOW = 5000
+BROKER_CHUNK = 1000
+# The tag dispatch.message_tag writes in each message's headers.
+_TAG = re.compile(rb"\(job ([0-9a-f]{1,64}) attempt ([0-9]{1,9}) node ([0-9]{1,9})\)")
 
 # Compare-and-delete: a lock that expired and was taken by another replica is not ours.
 _RELEASE = """
@@ -61,17 +76,102 @@ class Reconciler:
         self.keys = Keys(settings.redis_prefix)
         self.lock_key = f"{settings.redis_prefix}:reconcile:lock"
         self._dispatched_after = 0
+        self._broker: Any = None
+        self._suspects: set[tuple[str, int]] = set()
+        self._orphans_at = 0.0
 
-    def run_once(self) -> dict[str, int] | None:
-        """One pass, if no other replica holds the lock; counts of what it did, else None."""
+    def run_once(self, *, orphans: bool = False) -> dict[str, int] | None:
+        """One pass, if no other replica holds the lock; counts of what it did, else None.
+        ``orphans``: also look for sent attempts whose message the broker lost."""
         token = secrets.token_hex(8)
         ttl_ms = int(max(10.0, self.settings.reconcile_interval_s * 5) * 1000)
         if not self.redis.set(self.lock_key, token, nx=True, px=ttl_ms):
             return None
         try:
-            return {"sent": self.resend_unsent(), "lost": self.reap_lost()}
+            done = {"sent": self.resend_unsent(), "lost": self.reap_lost()}
+            if orphans:
+                done["orphaned"] = self.resend_orphaned()
+            return done
         finally:
             self.redis.eval(_RELEASE, 1, self.lock_key, token)
+
+    def _broker_client(self) -> Any:
+        if self._broker is None:
+            import redis
+
+            timeout = self.settings.redis_timeout_s
+            self._broker = redis.Redis.from_url(
+                self.settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+        return self._broker
+
+    def _queued_tags(self, queue: str) -> set[tuple[str, int, int]] | None:
+        """(job, attempt, node) of every message waiting in ``queue``'s broker list; None if
+        the list is longer than ``orphan_scan_max`` (then nothing can be concluded)."""
+        broker = self._broker_client()
+        name = broker_queue(queue, self.settings.redis_prefix)
+        if broker.llen(name) > self.settings.orphan_scan_max:
+            log.warning("reconcile: queue %s is too long to check for lost messages", queue)
+            return None
+        tags: set[tuple[str, int, int]] = set()
+        start = 0
+        while True:
+            chunk = broker.lrange(name, start, start + BROKER_CHUNK - 1)
+            for raw in chunk:
+                m = _TAG.search(raw)
+                if m:
+                    tags.add((m.group(1).decode(), int(m.group(2)), int(m.group(3))))
+            if len(chunk) < BROKER_CHUNK:
+                return tags
+            start += BROKER_CHUNK
+
+    def resend_orphaned(self) -> int:
+        """Send again the sent, unclaimed attempts whose message is in no broker queue."""
+        cutoff = utcnow() - timedelta(seconds=self.settings.unsent_grace_s)
+        with self.sessions() as session:
+            rows = list(
+                session.execute(
+                    select(ATTEMPTS.c.job_id, ATTEMPTS.c.number, JOBS.c.queue, JOBS.c.nodes)
+                    .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
+                    .where(
+                        ATTEMPTS.c.status == "dispatched",
+                        ATTEMPTS.c.sent_at.is_not(None),
+                        ATTEMPTS.c.sent_at <= cutoff,
+                        JOBS.c.status == "queued",
+                        JOBS.c.attempt == ATTEMPTS.c.number,
+                    )
+                    .order_by(ATTEMPTS.c.id)
+                    .limit(ORPHAN_WINDOW)
+                )
+            )
+        pipe = self.redis.pipeline(transaction=False)
+        for r in rows:
+            for n in range(r.nodes or 1):
+                pipe.exists(self.keys.claim(r.job_id, r.number, n))
+        answers = iter(pipe.execute() if rows else ())
+        unclaimed = {}
+        for r in rows:
+            nodes = [n for n in range(r.nodes or 1) if not next(answers)]
+            if nodes:
+                unclaimed[(r.job_id, r.number)] = (r.queue, nodes)
+        waiting: dict[str, set[tuple[str, int, int]] | None] = {
+            q: self._queued_tags(q) for q in sorted({q for q, _ in unclaimed.values()})
+        }
+        missing = set()
+        for (job_id, number), (queue, nodes) in unclaimed.items():
+            tags = waiting[queue]
+            if tags is not None and any((job_id, number, n) not in tags for n in nodes):
+                missing.add((job_id, number))
+        orphans = sorted(missing & self._suspects)
+        self._suspects = missing - set(orphans)
+        for job_id, number in orphans:
+            log.warning(
+                "job %s attempt %d: sent, claimed by no worker, and in no broker queue"
+                " (the broker lost it); sending it again",
+                job_id,
+                number,
+            )
+        return dispatch_attempts(self.sessions, self.dispatcher, orphans)
 
     def resend_unsent(self) -> int:
         cutoff = utcnow() - timedelta(seconds=self.settings.unsent_grace_s)
@@ -199,11 +299,20 @@ class Reconciler:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
+            now = time.monotonic()
+            orphans = now - self._orphans_at >= self.settings.orphan_check_s
             try:
-                self.run_once()
+                self.run_once(orphans=orphans)
+                if orphans:
+                    self._orphans_at = now
             except Exception as exc:  # an outage: the next pass tries again
                 log.warning("reconcile: %s", exc)
             stop.wait(self.settings.reconcile_interval_s)
+        self.close()
+
+    def close(self) -> None:
+        if self._broker is not None:
+            self._broker.close()
 
 
 def _aware(value: Any) -> Any:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from trainer.config import TrainConfig, reject_nul
+from worker.message import QUEUE_PATTERN
 
 __all__ = [
     "AttemptOut",
@@ -44,18 +46,33 @@ LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 ]
 
-Text = Annotated[str, AfterValidator(reject_nul)]
+# C0 and C1 controls, DEL, line/paragraph separators and bidi overrides: a name or label
+# with one can rewrite a terminal row or forge a line in `trainq ls`.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def reject_control(value: str) -> str:
+    reject_nul(value)
+    found = _CONTROL.search(value)
+    if found:
+        raise ValueError(
+            f"must not contain control characters (U+{ord(found.group()):04X} at {found.start()})"
+        )
+    return value
+
+
+Text = Annotated[str, AfterValidator(reject_control)]
 LabelValue = Annotated[Text, StringConstraints(max_length=255)]
 
 
 class JobSpec(BaseModel):
     """What a client submits (JSON or YAML)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: Text = Field("job", min_length=1, max_length=200)
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
-    queue: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    queue: str = Field("default", pattern=QUEUE_PATTERN)
     nodes: int = Field(1, ge=1, le=1024)
     procs_per_node: int = Field(1, ge=1, le=64)
     max_runtime_s: int | None = Field(None, ge=1, le=30 * 86400)
@@ -161,7 +178,8 @@ class WorkerOut(BaseModel):
     queues: list[str] = Field(default_factory=list)
     slots: int | None = None
     gpus: list[int] = Field(default_factory=list)
-    running: list[str] = Field(default_factory=list)
+    running: list[str] = Field(default_factory=list)  # the caller's jobs (admin: all)
+    busy: int = 0  # attempts running, whoever owns them
     ts: float
     age_s: float
 

@@ -33,9 +33,13 @@ class Settings(BaseSettings):
 
     # Anything but "off" keeps auth on, so a typo never opens the API.
     auth: str = "on"
+    # /metrics without a token (for a scraper on a trusted network); else an admin token.
+    metrics_public: bool = False
     token_cache_s: float = Field(5.0, ge=0)  # a revoked token stops working within this
 
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    # YAML parses ~50x slower than JSON; a spec is a few KB, so this bounds a parse to ~0.1 s.
+    max_yaml_bytes: int = Field(64 * 1024, ge=1024)
     # Kept open: a connection past the pool size is opened and closed per request (a
     # PostgreSQL backend started each time), so the pool covers a busy worker's concurrency.
     db_pool_size: int = Field(20, ge=1)
@@ -57,6 +61,10 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(2.0, gt=0)
     heartbeat_grace_s: float = Field(5.0, ge=0)  # a heartbeat missing this long: lost
     unsent_grace_s: float = Field(5.0, ge=0)  # the request that committed it sends first
+    # A sent, unclaimed attempt whose message is in no broker queue (the broker lost its
+    # data, a worker died holding it) is sent again once seen missing twice this far apart.
+    orphan_check_s: float = Field(10.0, gt=0)
+    orphan_scan_max: int = Field(200_000, ge=1)  # broker messages read per check, at most
     worker_stale_s: float = Field(15.0, gt=0)
     dispatch_backoff_s: float = Field(5.0, ge=0)  # after a failed send, requests skip sending
 
@@ -66,6 +74,12 @@ class Settings(BaseSettings):
     # resumes with Last-Event-ID); and the follow Redis pool's size (one per followed job).
     sse_queue_size: int = Field(1024, ge=1)
     sse_redis_connections: int = Field(1000, ge=2)
+    # Open event and log streams: per process, and per owner (a token's name); beyond, 429.
+    sse_max_streams: int = Field(1000, ge=1)
+    sse_max_streams_per_owner: int = Field(32, ge=1)
+    # A stream ends after this long (the client resumes with Last-Event-ID), so no stream
+    # outlives a policy change by more than this.
+    sse_max_lifetime_s: float = Field(3600.0, gt=0)
     log_line_max_chars: int = Field(8192, ge=80)
     log_chunk_max_lines: int = Field(1000, ge=1)
 

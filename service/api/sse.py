@@ -13,6 +13,12 @@ the fan-out first (from then on it is given every entry after the fan-out's posi
 then reads its own backlog from its cursor up to ``L`` with XRANGE; it skips anything at or
 before what it has already yielded, so there is neither a gap nor a duplicate.
 
+Streams are bounded: at most ``max_streams`` per process and ``max_per_owner`` per owner
+(``StreamHub.admit``: beyond, ``TooManyRequests``, a 429 with Retry-After); a follower holds
+at most one backlog batch (``BATCH`` entries) and its queue, however long the stream; and a
+follower wakes at least every ``tick_s``, so the route can re-check its token and its age
+(``service.api.routes.streams``).
+
 No database session lives as long as a stream: when a ping interval passes quietly, the
 fan-out reads the row once (in a short session) for all its followers; that read is also how
 followers end if the terminal status event itself was missed (or trimmed).
@@ -31,6 +37,7 @@ from typing import Any
 from redis import RedisError
 from starlette.concurrency import run_in_threadpool
 
+from service.api.errors import TooManyRequests
 from service.api.models import TERMINAL
 from trainer.events import NODE_SEQ_SHIFT, Event
 
@@ -224,11 +231,50 @@ class Fanout:
 class StreamHub:
     """The process's fan-outs, by stream key."""
 
-    def __init__(self, aredis: Any, *, ping_s: float, queue_size: int = 1024) -> None:
+    def __init__(
+        self,
+        aredis: Any,
+        *,
+        ping_s: float,
+        queue_size: int = 1024,
+        max_streams: int = 1000,
+        max_per_owner: int = 32,
+    ) -> None:
         self.aredis = aredis
         self.block_ms = max(1, int(ping_s * 1000))
         self.queue_size = queue_size
         self.fanouts: dict[str, Fanout] = {}
+        self.max_streams = max_streams
+        self.max_per_owner = max_per_owner
+        self.open: dict[str, int] = {}  # open followers by owner
+
+    def admit(self, owner: str) -> Callable[[], None]:
+        """Count a new stream of ``owner``, or refuse it; the returned function (idempotent)
+        uncounts it."""
+        if sum(self.open.values()) >= self.max_streams:
+            raise TooManyRequests(
+                f"this API process has {self.max_streams} open streams; try again shortly"
+            )
+        if self.open.get(owner, 0) >= self.max_per_owner:
+            raise TooManyRequests(
+                f"{owner!r} has {self.max_per_owner} open streams already"
+                " (TRAINQ_SSE_MAX_STREAMS_PER_OWNER); close one first",
+                retry_after=10,
+            )
+        self.open[owner] = self.open.get(owner, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self.open.get(owner, 1) - 1
+                if left > 0:
+                    self.open[owner] = left
+                else:
+                    self.open.pop(owner, None)
+
+        return release
 
     async def close(self) -> None:
         """Stop every reader (the app is shutting down); their followers end."""
@@ -250,10 +296,10 @@ class StreamHub:
                 fanout = Fanout(self, key, position, job_status)
                 self.fanouts[key] = fanout
         queue, upto = fanout.join()
-        follower = Follower(fanout, queue, parse_id(cursor))
+        follower = Follower(fanout, queue, parse_id(cursor), upto)
         try:
             if parse_id(upto) > follower.cursor:
-                await follower.backlog(cursor, upto)
+                await follower.backlog(cursor)  # the first batch now, the rest as it goes
         except BaseException:
             follower.close()
             raise
@@ -263,41 +309,54 @@ class StreamHub:
 class Follower:
     """One client's view: its backlog (XRANGE), then the fan-out's queue."""
 
-    def __init__(self, fanout: Fanout, queue: asyncio.Queue[Any], cursor: EntryId) -> None:
+    def __init__(
+        self, fanout: Fanout, queue: asyncio.Queue[Any], cursor: EntryId, upto: str = "0-0"
+    ) -> None:
         self.fanout = fanout
         self.queue = queue
         self.cursor = cursor  # the last entry yielded (or the client's Last-Event-ID)
+        self.upto = upto  # the backlog ends here; the fan-out's queue has what follows
         self.first: list[Item] = []
+        self.more = False  # the backlog has entries beyond ``first``...
+        self.first_after = ""  # ...after this one
+        self.on_close: Callable[[], None] | None = None
 
-    async def backlog(self, after: str, upto: str) -> None:
-        aredis = self.fanout.hub.aredis
-        start = "(" + after
-        while True:
-            batch = await aredis.xrange(self.fanout.key, start, upto, count=BATCH)
-            for entry_id, fields in batch:
-                item = _item(entry_id, fields)
-                if item is not None:
-                    self.first.append(item)
-            if len(batch) < BATCH:
-                return
-            start = "(" + _text(batch[-1][0])
+    async def backlog(self, after: str) -> None:
+        """The next batch of the backlog (at most BATCH entries) after ``after``."""
+        batch = await self.fanout.hub.aredis.xrange(
+            self.fanout.key, "(" + after, self.upto, count=BATCH
+        )
+        self.first = [i for i in (_item(e, f) for e, f in batch) if i is not None]
+        self.more = len(batch) == BATCH
+        if self.more:
+            self.first_after = _text(batch[-1][0])
 
     def close(self) -> None:
         self.fanout.leave(self.queue)
+        if self.on_close is not None:
+            self.on_close()
 
-    async def entries(self) -> AsyncIterator[Item | None]:
-        """Items in entry-id order, None when a ping interval passed quietly; stops after a
-        terminal status, or when the reader ends or drops this follower."""
+    async def entries(self, tick_s: float | None = None) -> AsyncIterator[Item | None]:
+        """Items in entry-id order, None when a ping interval (or ``tick_s``) passed quietly;
+        stops after a terminal status, or when the reader ends or drops this follower."""
         try:
-            for item in self.first:
-                if item.key > self.cursor:
-                    self.cursor = item.key
-                    yield item
-                    if item.terminal:
-                        return
+            while True:
+                for item in self.first:
+                    if item.key > self.cursor:
+                        self.cursor = item.key
+                        yield item
+                        if item.terminal:
+                            return
+                if not self.more:
+                    break
+                await self.backlog(self.first_after)
             self.first = []
             while True:
-                message = await self.queue.get()
+                try:
+                    message = await asyncio.wait_for(self.queue.get(), tick_s)
+                except TimeoutError:
+                    yield None  # a tick: the caller's checks run
+                    continue
                 if message is _PING:
                     yield None
                     continue
@@ -314,20 +373,25 @@ class Follower:
             self.close()
 
 
-async def sse_events(follower: Follower) -> AsyncIterator[bytes]:
+async def sse_events(follower: Follower, tick_s: float | None = None) -> AsyncIterator[bytes]:
     yield RETRY
-    async for item in follower.entries():
+    async for item in follower.entries(tick_s):
         yield PING if item is None else item.sse
 
 
 async def follow_logs(
-    follower: Follower, seen: dict[tuple[int, int], int], rank: int | None
+    follower: Follower,
+    seen: dict[tuple[int, int], int],
+    rank: int | None,
+    tick_s: float | None = None,
 ) -> AsyncIterator[bytes]:
     """Log lines after those already sent from the database (the seq ``seen`` per attempt
-    and node: each node of a multi-node attempt numbers its events in a range of its own)."""
-    async for item in follower.entries():
+    and node: each node of a multi-node attempt numbers its events in a range of its own).
+    An empty chunk on a quiet interval or tick: the caller's checks run (it sends nothing)."""
+    async for item in follower.entries(tick_s):
         if item is None:
-            continue  # chunked text has no comment lines; the row check still runs
+            yield b""
+            continue
         event = item.event
         where = (event.attempt, event.seq >> NODE_SEQ_SHIFT)
         if event.kind != "log" or event.seq <= seen.get(where, 0):

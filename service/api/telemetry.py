@@ -30,6 +30,13 @@ class _StoreCollector(Collector):
     def __init__(self, services: Services) -> None:
         self.services = services
 
+    def _served_queues(self) -> set[str]:
+        try:
+            workers = self.services.live_workers()
+        except Exception:  # Redis down: every queue counts as other
+            return set()
+        return {q for w in workers for q in w.get("queues") or () if isinstance(q, str)}
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
             with self.services.sessions() as session:
@@ -50,10 +57,7 @@ class _StoreCollector(Collector):
             for status, n in by_status:
                 jobs.add_metric([status], n)
             yield jobs
-            queued = GaugeMetricFamily("trainq_queue_depth", "Queued jobs", labels=["queue"])
-            for queue, n in depth:
-                queued.add_metric([queue], n)
-            yield queued
+            yield _queue_depth(depth, self._served_queues())
         settings = self.services.settings
         try:
             groups = self.services.redis.xinfo_groups(self.services.keys.events)
@@ -74,6 +78,28 @@ class _StoreCollector(Collector):
             )
             pending.add_metric([], float(group.get("pending") or 0))
             yield pending
+
+
+# The queue label's value for queues no live worker serves: a spec's queue is the user's
+# string, and one series per string would let any tenant grow the scrape without bound.
+OTHER_QUEUES = "_other"
+
+
+def _queue_depth(depth: list[Any], served: set[str]) -> GaugeMetricFamily:
+    """Queued jobs per queue that a live worker serves (operators name those), the rest
+    summed under ``OTHER_QUEUES``: at most one series per served queue, plus one."""
+    counts: dict[str, int] = dict.fromkeys(sorted(served), 0)
+    for queue, n in depth:
+        label = queue if queue in served else OTHER_QUEUES
+        counts[label] = counts.get(label, 0) + int(n)
+    family = GaugeMetricFamily(
+        "trainq_queue_depth",
+        f"Queued jobs per served queue; queues no worker serves are summed as {OTHER_QUEUES}",
+        labels=["queue"],
+    )
+    for label, n in counts.items():
+        family.add_metric([label], n)
+    return family
 
 
 def build_registry(services: Services) -> tuple[CollectorRegistry, Callable[..., None]]:

@@ -25,6 +25,7 @@ from service.api.ingest import Ingestor
 from service.api.reconcile import Reconciler
 from service.api.settings import Settings
 from trainer.events import Event, Keys
+from worker.message import broker_queue
 
 __all__ = [
     "Api",
@@ -67,6 +68,11 @@ class Api:
     @property
     def keys(self) -> Keys:
         return self.services.keys
+
+    @property
+    def broker_queue(self) -> str:
+        """The broker list that holds this test's queue's messages."""
+        return broker_queue(self.queue, self.settings.redis_prefix)
 
     def headers(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.token}"}
@@ -198,14 +204,20 @@ class WorkerSim:
         )
 
 
-def register_worker(api: Api, queues: list[str], name: str = "w1", age_s: float = 0) -> None:
+def register_worker(
+    api: Api,
+    queues: list[str],
+    name: str = "w1",
+    age_s: float = 0,
+    running: list[str] | None = None,
+) -> None:
     info = {
         "name": name,
         "host": "h1",
         "queues": queues,
         "slots": 2,
         "gpus": [0, 1],
-        "running": [],
+        "running": running or [],
         "ts": time.time() - age_s,
     }
     api.services.redis.hset(api.keys.workers, name, json.dumps(info))

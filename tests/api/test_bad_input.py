@@ -39,6 +39,17 @@ def _locs(resp: Any) -> list[list[Any]]:
         ({"train": {}, "name": "a\x00b"}, ["body", "name"]),
         ({"train": {}, "labels": {"k": "v\x00"}}, ["body", "labels", "k"]),
         ({"train": {"data": {"path": "tiny\x00"}}}, ["body", "train", "data", "path"]),
+        # A name or label cannot carry terminal escapes, CR/LF or bidi overrides.
+        ({"train": {}, "name": "ok\x1b[31mred"}, ["body", "name"]),
+        ({"train": {}, "name": "row\r\nforged  succeeded"}, ["body", "name"]),
+        ({"train": {}, "name": "abc\u202edcba"}, ["body", "name"]),
+        ({"train": {}, "labels": {"k": "v\x85"}}, ["body", "labels", "k"]),
+        # Strict types: a spec is a contract, nothing is coerced.
+        ({"train": {"steps": "5"}}, ["body", "train", "steps"]),
+        ({"train": {"steps": True}}, ["body", "train", "steps"]),
+        ({"train": {"steps": 5.0}}, ["body", "train", "steps"]),
+        ({"train": {"compile": 1}}, ["body", "train", "compile"]),
+        ({"train": {}, "retries": "1"}, ["body", "retries"]),
     ],
 )
 def test_invalid_spec_is_422_naming_the_field(api: Api, body: Any, loc: list[Any]) -> None:
@@ -68,6 +79,54 @@ def escape_link(data_root: Path, tmp_path: Path) -> Iterator[str]:
     link.symlink_to(outside, target_is_directory=True)
     yield link.name
     link.unlink()
+
+
+def _yaml(api: Api, text: str) -> Any:
+    h = {**api.headers(), "Content-Type": "application/yaml"}
+    return api.client.post("/v1/jobs", content=text.encode(), headers=h)
+
+
+def test_yaml_is_read_as_yaml_1_2_with_duplicate_keys_refused(api: Api) -> None:
+    # YAML 1.1 read 1:20 as the base-60 integer 80; here it is a string, and refused.
+    assert _locs(_yaml(api, f"queue: {api.queue}\ntrain:\n  steps: 1:20\n")) == [
+        ["body", "train", "steps"]
+    ]
+    assert _locs(_yaml(api, "train:\n  compile: yes\n")) == [["body", "train", "compile"]]
+    dup = _yaml(api, "train:\n  steps: 5\n  steps: 500\n")
+    assert _locs(dup) == [["body"]] and "given twice" in dup.json()["detail"][0]["msg"]
+    dup_json = api.client.post(
+        "/v1/jobs",
+        content=b'{"train": {"steps": 5, "steps": 500}}',
+        headers={**api.headers(), "Content-Type": "application/json"},
+    )
+    assert _locs(dup_json) == [["body"]] and "given twice" in dup_json.json()["detail"][0]["msg"]
+    # What YAML 1.2 reads as numbers still works: 1e-3 is a float, 0x10 an int.
+    ok = _yaml(api, f"queue: {api.queue}\ntrain:\n  steps: 0x10\n  optim: {{lr: 1e-3}}\n")
+    assert ok.status_code == 201, ok.text
+    assert ok.json()["train"]["steps"] == 16 and ok.json()["train"]["optim"]["lr"] == 0.001
+
+
+def test_deep_nesting_is_a_4xx_not_a_500(api: Api, caplog: pytest.LogCaptureFixture) -> None:
+    h = {**api.headers(), "Content-Type": "application/json"}
+    deep_json = b'{"train": ' + b"[" * 990 + b"]" * 990 + b"}"
+    resp = api.client.post("/v1/jobs", content=deep_json, headers=h)
+    assert _locs(resp) == [["body"]] and "nested deeper" in resp.json()["detail"][0]["msg"]
+    deep_yaml = "train: " + "[" * 500 + "]" * 500 + "\n"
+    resp = _yaml(api, deep_yaml)
+    assert _locs(resp) == [["body"]] and "nested deeper" in resp.json()["detail"][0]["msg"]
+    assert "Traceback" not in caplog.text and "RecursionError" not in caplog.text
+
+
+def test_a_yaml_body_has_its_own_smaller_limit(api: Api) -> None:
+    limit = api.settings.max_yaml_bytes
+    big = "train: {}\n" + "".join(f"# {'x' * 70}\n" for _ in range(limit // 70 + 1))
+    resp = _yaml(api, big)
+    assert resp.status_code == 413 and str(limit) in resp.json()["detail"], resp.text
+    # The same spec as JSON is under the JSON limit: accepted.
+    assert (
+        _post(api, {"queue": api.queue, "train": {}, "labels": {"pad": "x" * 200}}).status_code
+        == 201
+    )
 
 
 def test_data_paths_stay_inside_the_data_root(api: Api, escape_link: str) -> None:
@@ -162,3 +221,21 @@ def test_auth_off_only_when_said_so(make_settings: Any) -> None:
     with TestClient(create_app(make_settings(auth="off"))) as client:
         resp = client.get("/v1/jobs")
         assert resp.status_code == 200
+
+
+def test_random_tokens_cannot_flush_a_known_one_from_the_cache(api: Api) -> None:
+    from service.api.auth import TokenCache
+    from service.api.errors import Unauthorized
+
+    cache = TokenCache(api.services.reader.connect, ttl_s=60, max_entries=50)
+    known = f"Bearer {api.token}"
+    assert cache.resolve(known).name == api.user
+    for i in range(200):  # four times what the cache holds
+        with pytest.raises(Unauthorized):
+            cache.resolve(f"Bearer tq_random{i:04d}")
+    # Still answered from memory: resolve_cached never touches the database.
+    assert cache.resolve_cached(known).name == api.user
+    with pytest.raises(Unauthorized):  # the newest unknown ones are remembered too
+        cache.resolve_cached("Bearer tq_random0199")
+    with pytest.raises(LookupError):  # the oldest were evicted, one at a time
+        cache.resolve_cached("Bearer tq_random0000")

@@ -53,7 +53,7 @@ def _check(api: Api, job_id: str) -> dict[str, Any]:
 
 def test_running_job_with_attempts_and_metrics(api: Api, sim: Callable[..., WorkerSim]) -> None:
     job = api.submit(
-        name='quote " back \\ tab \t nl \n ctl \x01 é ☃',
+        name='quote " back \\ é ☃ </script>',
         labels={"team": "ml é", "k": 'v"'},
         retries=2,
         max_runtime_s=3600,

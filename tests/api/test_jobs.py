@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 
 import redis as redis_lib
@@ -35,7 +36,7 @@ def test_submit_commits_and_sends_to_the_queue(api: Api) -> None:
     assert job["attempt"] == 1 and job["attempts"][0]["status"] == "dispatched"
     assert job["train"]["steps"] == 5 and job["train"]["model"]["n_layer"] == 2
 
-    messages = _broker_messages(api, api.queue)
+    messages = _broker_messages(api, api.broker_queue)
     assert len(messages) == 1
     task, message = _decode_task(messages[0])
     assert task == TASK_NAME
@@ -85,7 +86,7 @@ def test_idempotency_key_same_spec_200_other_spec_409(api: Api) -> None:
         headers={**api.headers(api.other_token), "Idempotency-Key": "build-1234"},
     )
     assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
-    assert len(_broker_messages(api, api.queue)) == 2  # the replay sent nothing
+    assert len(_broker_messages(api, api.broker_queue)) == 2  # the replay sent nothing
 
 
 def test_list_newest_first_filters_and_keyset_cursor(api: Api) -> None:
@@ -131,14 +132,39 @@ def test_pending_reason(api: Api) -> None:
     assert live["queues"] == [api.queue] and live["gpus"] == [0, 1] and live["slots"] == 2
 
 
+def test_workers_name_only_the_callers_running_jobs(api: Api) -> None:
+    mine = api.submit()["id"]
+    theirs = api.client.post(
+        "/v1/jobs", json={"queue": api.queue, "train": {}}, headers=api.headers(api.other_token)
+    ).json()["id"]
+    name = f"w-busy-{api.queue}"
+    register_worker(api, [api.queue], name=name, running=[mine, theirs])
+
+    def seen(token: str) -> dict[str, Any]:
+        items = api.client.get("/v1/workers", headers=api.headers(token)).json()["items"]
+        return next(w for w in items if w["name"] == name)
+
+    assert (seen(api.token)["running"], seen(api.token)["busy"]) == ([mine], 2)
+    assert (seen(api.other_token)["running"], seen(api.other_token)["busy"]) == ([theirs], 2)
+    assert sorted(seen(api.admin_token)["running"]) == sorted([mine, theirs])
+
+
 def test_health_ready_and_prometheus(api: Api) -> None:
     assert api.client.get("/healthz").json() == {"status": "ok"}
     ready = api.client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["database"] == "ok"
     api.submit()
-    text = api.client.get("/metrics").text
+    register_worker(api, [api.queue], name=f"w-{api.queue}")
+    for n in range(3):  # queues nobody serves: user strings, never labels of their own
+        api.submit(queue=f"tenant-chosen-{api.queue}-{n}")
+    assert api.client.get("/metrics").status_code == 401
+    assert api.client.get("/metrics", headers=api.headers()).status_code == 403
+    text = api.client.get("/metrics", headers=api.headers(api.admin_token)).text
     assert 'trainq_jobs{status="queued"}' in text
     assert f'trainq_queue_depth{{queue="{api.queue}"}} 1.0' in text
+    assert "tenant-chosen" not in text
+    other = [line for line in text.splitlines() if 'queue="_other"' in line]
+    assert other and float(other[0].split()[-1]) >= 3
     assert "trainq_request_seconds_bucket" in text and 'route="/v1/jobs"' in text
 
 
@@ -150,3 +176,14 @@ def test_openapi_documents_every_route(api: Api) -> None:
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/yaml"}
     assert "TrainConfig" in schema["components"]["schemas"]
+
+
+def test_api_docs_load_nothing_from_outside(api: Api) -> None:
+    page = api.client.get("/docs")
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    urls = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text)
+    urls += re.findall(r"""url: ?["']([^"']+)["']""", page.text)
+    assert urls, page.text
+    for url in urls:
+        assert url.startswith("/"), f"{url} is not served by the API itself"
+        assert api.client.get(url).status_code == 200, url

@@ -67,7 +67,7 @@ def _sent(api: Api) -> list[dict[str, Any]]:
     """The job messages in the Celery queue (kombu's Redis list), oldest first."""
     broker = redis_lib.Redis.from_url(api.settings.broker_url)
     try:
-        raw = broker.lrange(api.queue, 0, -1)
+        raw = broker.lrange(api.broker_queue, 0, -1)
     finally:
         broker.close()
     import base64

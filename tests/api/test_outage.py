@@ -104,7 +104,7 @@ def _no_500(resp: Any) -> None:
 def test_redis_unreachable_is_503(api: Api, make_settings: Callable[..., Any]) -> None:
     job = api.submit()
     app = create_app(make_settings(redis_url=closed_url("redis"), token_cache_s=0))
-    make_tokens(app.state.services)
+    admin = make_tokens(app.state.services)[3]
     h = api.headers()
     with TestClient(app) as client:
         cancel = client.post(f"/v1/jobs/{job['id']}/cancel", headers=h)
@@ -116,11 +116,15 @@ def test_redis_unreachable_is_503(api: Api, make_settings: Callable[..., Any]) -
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["redis"].startswith("unavailable")
         assert ready.json()["database"] == "ok"
-        # What needs only SQL still answers: the job (without a pending hint), the list.
+        # What needs only SQL still answers: the job, the list.
         got = client.get(f"/v1/jobs/{job['id']}", headers=h)
-        assert got.status_code == 200 and got.json()["pending_reason"] is None
+        assert got.status_code == 200
+        # The job is answered, and says why it waits even without the registry.
+        assert got.json()["pending_reason"] == (
+            f"waiting in queue {api.queue}; the worker registry is unreachable right now"
+        )
         assert client.get("/v1/jobs", headers=h).status_code == 200
-        assert client.get("/metrics").status_code == 200
+        assert client.get("/metrics", headers=api.headers(admin)).status_code == 200
     assert api.get(job["id"])["status"] == "queued"  # the failed cancel changed nothing
 
 

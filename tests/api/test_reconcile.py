@@ -25,7 +25,7 @@ def _queue_len(api: Api) -> int:
 
     broker = redis.Redis.from_url(api.settings.broker_url)
     try:
-        return int(broker.llen(api.queue))
+        return int(broker.llen(api.broker_queue))
     finally:
         broker.close()
 
@@ -168,9 +168,43 @@ def test_unsent_job_is_sent_by_the_reconciler(api: Api, make_settings: Callable[
     import redis
 
     broker = redis.Redis.from_url(api.settings.broker_url)
-    raw = json.loads(broker.lindex(api.queue, 0) or b"{}")
+    raw = json.loads(broker.lindex(api.broker_queue, 0) or b"{}")
     broker.close()
     assert raw["headers"]["argsrepr"].find(job_id) >= 0
+
+
+def test_a_sent_message_the_broker_lost_is_sent_again(
+    api: Api, sim: Callable[..., WorkerSim]
+) -> None:
+    import redis
+
+    lost, claimed, waiting = (api.submit()["id"] for _ in range(3))
+    broker = redis.Redis.from_url(api.settings.broker_url)
+    try:
+        assert broker.llen(api.broker_queue) == 3
+        # The broker loses its data (a restart without persistence), except the message of
+        # `waiting`, sent again by someone; `claimed` was taken by a worker just before.
+        keep = [m for m in broker.lrange(api.broker_queue, 0, -1) if waiting.encode() in m]
+        broker.delete(api.broker_queue)
+        broker.rpush(api.broker_queue, *keep)
+        sim(claimed, 1).claim()
+        rec = api.reconciler()
+        # Seen missing once: perhaps a worker took it this instant and is about to claim it.
+        assert rec.run_once(orphans=True) == {"sent": 0, "lost": 0, "orphaned": 0}
+        assert rec.run_once(orphans=True) == {"sent": 0, "lost": 0, "orphaned": 1}
+        tags = [
+            json.loads(m)["headers"]["argsrepr"] for m in broker.lrange(api.broker_queue, 0, -1)
+        ]
+        assert sorted(tags) == sorted(
+            [f"(job {waiting} attempt 1 node 0)", f"(job {lost} attempt 1 node 0)"]
+        )
+        # Found in its queue again: nothing more to send, however often it looks.
+        assert rec.run_once(orphans=True)["orphaned"] == 0  # type: ignore[index]
+        assert rec.run_once(orphans=True)["orphaned"] == 0  # type: ignore[index]
+        assert broker.llen(api.broker_queue) == 2
+        assert api.get(lost)["status"] == "queued"
+    finally:
+        broker.close()
 
 
 def test_one_reconciler_at_a_time(api: Api) -> None:

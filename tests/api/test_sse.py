@@ -189,6 +189,7 @@ def test_sse_more_followers_than_the_redis_pool_all_get_every_event(
             ingest=True,
             ingest_block_ms=100,
             sse_redis_connections=100,
+            sse_max_streams_per_owner=200,  # one token opens them all here
             # A loaded machine must not time out the shared reader's socket mid-test.
             redis_timeout_s=5.0,
         )
@@ -223,3 +224,84 @@ def test_sse_more_followers_than_the_redis_pool_all_get_every_event(
     assert len(ids) >= 9  # running, 6 metrics, exited, and the service's status events
     assert all(got == ids for got in seen), [len(g) for g in seen]
     assert resumed == ids[2:]
+
+
+def test_streams_are_capped_per_owner_and_close_when_the_token_is_revoked(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    from service.api.auth import revoke_tokens
+
+    app = create_app(
+        make_settings(
+            redis_prefix=api.settings.redis_prefix, sse_max_streams_per_owner=2, token_cache_s=0.5
+        )
+    )
+    user, token, _, admin = make_tokens(app.state.services)
+    services = app.state.services
+    with services.sessions() as session, session.begin():
+        from service.api.auth import create_token
+
+        job_token = create_token(session, api.user)  # a second token of the job's owner
+    job = api.submit()
+    sim(job["id"]).running()
+    mine = {"Authorization": f"Bearer {job_token}"}
+    with Uvicorn(app) as server:
+        url = f"{server.url}/v1/jobs/{job['id']}/events"
+        outs: list[list[str]] = [[], []]
+        dones = [threading.Event(), threading.Event()]
+        readers = [
+            threading.Thread(target=_read_sse, args=(url, mine, out, done))
+            for out, done in zip(outs, dones, strict=True)
+        ]
+        for reader in readers:
+            reader.start()
+        wait = threading.Event()
+        for _ in range(100):  # both streams open (their first line read)
+            if all(out for out in outs):
+                break
+            wait.wait(0.05)
+        assert [out[0].split()[1] for out in outs] == ["200", "200"], outs
+        third = httpx.get(url, headers=mine, timeout=10)
+        assert third.status_code == 429, third.text
+        assert int(third.headers["Retry-After"]) > 0
+        assert "2 open streams" in third.json()["detail"]
+        # Another owner (an admin, who may see the job) is not held back by that owner.
+        with (
+            httpx.Client(timeout=10) as client,
+            client.stream("GET", url, headers={"Authorization": f"Bearer {admin}"}) as resp,
+        ):
+            assert resp.status_code == 200
+
+        with services.sessions() as session, session.begin():
+            assert revoke_tokens(session, name=api.user) >= 1
+        # Both open streams end on their own, each saying why, though the job still runs.
+        assert all(done.wait(10) for done in dones), outs
+        for out in outs:
+            events = [e for e in _parse(out[1:]) if e.get("event") == "error"]
+            assert events and "revoked" in json.loads(events[-1]["data"])["message"], out
+        assert httpx.get(url, headers=mine, timeout=10).status_code == 401
+        for reader in readers:
+            reader.join(5)
+    assert services.hub.open == {}, "every stream was counted out"
+    del user, token
+
+
+def test_a_stream_ends_at_its_maximum_lifetime(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    app = create_app(make_settings(redis_prefix=api.settings.redis_prefix, sse_max_lifetime_s=1.0))
+    make_tokens(app.state.services)
+    job = api.submit()
+    sim(job["id"]).running()
+    with Uvicorn(app) as server:
+        lines: list[str] = []
+        done = threading.Event()
+        reader = threading.Thread(
+            target=_read_sse,
+            args=(f"{server.url}/v1/jobs/{job['id']}/events", api.headers(), lines, done),
+        )
+        reader.start()
+        assert done.wait(10), "the stream outlived its maximum lifetime"
+        reader.join(5)
+    assert lines[0].startswith("STATUS 200")
+    assert api.get(job["id"])["status"] in ("queued", "running")  # ended by age, not the job

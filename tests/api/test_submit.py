@@ -24,7 +24,7 @@ from worker.message import JobMessage
 def _broker(api: Api) -> list[dict[str, Any]]:
     broker = redis_lib.Redis.from_url(api.settings.broker_url)
     try:
-        return [json.loads(raw) for raw in broker.lrange(api.queue, 0, -1)]
+        return [json.loads(raw) for raw in broker.lrange(api.broker_queue, 0, -1)]
     finally:
         broker.close()
 

@@ -376,3 +376,29 @@ def test_data_removed_before_the_worker_starts_fails_with_spec_error(
     assert (job["status"], job["reason"]) == ("failed", "spec_error"), job
     assert "'vanishing'" in job["message"] and name in job["message"], job["message"]
     assert cluster.processes(job_id) == []
+
+
+# kombu's own bookkeeping in the broker database, and Celery's default names: a spec's queue
+# must not be able to name any of them.
+BROKER_NAMES = ("unacked_index", "unacked", "unacked_mutex", "celery", "celeryev")
+
+
+def test_a_queue_named_like_the_brokers_own_keys_harms_no_worker(cluster: Cluster) -> None:
+    import redis
+
+    for name in BROKER_NAMES:  # accepted, and wait for a worker that serves them
+        cluster.submit(f"e2e-hostile-{name}", TRAIN, queue=name, procs_per_node=1)
+    job_id = cluster.submit("e2e-after-hostile", {**TRAIN, "steps": 3}, procs_per_node=1)
+    job = cluster.wait_job(job_id, ("succeeded", "failed", "cancelled"), 60)
+    assert job["status"] == "succeeded", job
+    dead = [name for name, proc in cluster.workers.items() if not proc.alive()]
+    assert dead == [], f"workers died: {dead}\n{cluster.tails()}"
+    broker = redis.Redis.from_url(cluster.system.env["TRAINQ_BROKER_URL"])
+    try:
+        # kombu's keys keep the types kombu gives them; the hostile queues live under the prefix.
+        assert broker.type("unacked_index") in (b"zset", b"none")
+        assert broker.type("unacked") in (b"hash", b"none")
+        for name in BROKER_NAMES:
+            assert broker.llen(f"trainq.{name}") == 1, name
+    finally:
+        broker.close()

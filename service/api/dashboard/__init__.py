@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
 __all__ = ["STATIC_DIR", "router"]
@@ -79,6 +80,21 @@ def _serve(asset: _Asset, request: Request) -> Response:
 def dashboard(request: Request) -> Response:
     """The dashboard page."""
     return _serve(_ASSETS["index.html"], request)
+
+
+_SWAGGER = "/ui/vendor/swagger-ui"
+
+
+@router.get("/docs", response_class=HTMLResponse)
+def api_docs() -> Response:
+    """Swagger UI for the OpenAPI schema, from the vendored copy (no CDN: works offline)."""
+    return get_swagger_ui_html(
+        openapi_url="/openapi.json",
+        title="trainq API",
+        swagger_js_url=f"{_SWAGGER}/swagger-ui-bundle.js",
+        swagger_css_url=f"{_SWAGGER}/swagger-ui.css",
+        swagger_favicon_url=f"{_SWAGGER}/favicon-32x32.png",
+    )
 
 
 @router.get("/ui/{path:path}")

@@ -25,10 +25,12 @@ class ValidationOut(BaseModel):
 
 _DESCRIPTIONS = {
     401: ("missing, unknown or revoked bearer token", ErrorOut),
+    403: ("the token may not do this (an admin view)", ErrorOut),
     404: ("no such job (or not yours)", ErrorOut),
     409: ("Idempotency-Key reused with a different spec", ErrorOut),
     413: ("request body over the limit", ErrorOut),
     422: ("invalid input; each error's loc names the field", ValidationOut),
+    429: ("too many open streams; Retry-After says when to try again", ErrorOut),
     503: ("the database or Redis is unavailable", ErrorOut),
 }
 

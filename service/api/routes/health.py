@@ -6,8 +6,11 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import ServicesDep
+from service.api.deps import ServicesDep, get_principal
+from service.api.errors import Forbidden
+from service.api.routes import errors
 
 __all__ = ["router"]
 
@@ -57,8 +60,18 @@ def readyz(services: ServicesDep) -> Response:
 @router.get(
     "/metrics",
     response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+        **errors(401, 403),
+    },
 )
-def metrics(request: Request) -> Response:
-    """Prometheus metrics: jobs by status, queue depth, ingest lag, request latency."""
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request, services: ServicesDep) -> Response:
+    """Prometheus metrics (an admin token, unless TRAINQ_METRICS_PUBLIC): jobs by status,
+    queue depth, ingest lag, request latency."""
+    settings = services.settings
+    if settings.auth_enabled and not settings.metrics_public:
+        principal = await get_principal(request)
+        if not principal.admin:
+            raise Forbidden("/metrics needs an admin token (or TRAINQ_METRICS_PUBLIC=true)")
+    body = await run_in_threadpool(generate_latest, request.app.state.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -6,7 +6,6 @@ import json
 import time
 from typing import Annotated, Any
 
-import yaml
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import ValidationError
 from redis import RedisError
@@ -15,13 +14,14 @@ from starlette.concurrency import run_in_threadpool
 from service.api import crud, job_json
 from service.api.auth import Principal
 from service.api.deps import PrincipalDep, Services, ServicesDep
-from service.api.errors import InvalidInput, NotFound
+from service.api.errors import InvalidInput, NotFound, PayloadTooLarge
 from service.api.notify import publish_status, signal_cancel
 from service.api.routes import errors
 from service.api.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary
 from service.api.state import cancel_job
 from service.api.submit import submit_one
 from trainer.config import ConfigError, reject_nul, resolve_data_path
+from trainer.yamlspec import MAX_DEPTH, SpecSyntaxError, json_depth_ok, load_yaml
 
 __all__ = ["JobId", "get_job_answer", "job_out", "openapi_components", "router"]
 
@@ -31,28 +31,57 @@ JobId = Annotated[str, Path(min_length=1, max_length=32, pattern=r"^[0-9a-f]+$")
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml")
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """A spec has no use for YAML anchors; refusing aliases rules out "billion laughs"."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise InvalidInput.at(["body"], "YAML aliases (*name) are not allowed in a job spec")
-        return super().compose_node(parent, index)
+# Bodies this large are parsed on a worker thread, so no body holds up the event loop.
+INLINE_PARSE_BYTES = 16 * 1024
 
 
-def parse_spec(raw: bytes, content_type: str | None, data_root: Any) -> JobSpec:
-    """Body bytes to a validated JobSpec; InvalidInput names the field that is wrong."""
-    media = (content_type or "application/json").split(";")[0].strip().lower()
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise InvalidInput.at(["body"], f"key {key!r} is given twice in one object")
+            seen.add(key)
+    return out
+
+
+def _media(content_type: str | None) -> str:
+    return (content_type or "application/json").split(";")[0].strip().lower()
+
+
+def _body_text(raw: bytes) -> str:
     try:
-        if media in YAML_TYPES:
-            payload = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)
-        else:
-            payload = json.loads(raw)
-    except InvalidInput:
-        raise
-    except (ValueError, yaml.YAMLError) as exc:
-        kind = "YAML" if media in YAML_TYPES else "JSON"
-        raise InvalidInput.at(["body"], f"body is not valid {kind}: {exc}") from exc
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput.at(["body"], f"body is not UTF-8 (byte offset {exc.start})") from exc
+
+
+def parse_spec(
+    raw: bytes, content_type: str | None, data_root: Any, max_yaml_bytes: int = 64 * 1024
+) -> JobSpec:
+    """Body bytes to a validated JobSpec; InvalidInput names the field that is wrong.
+
+    Strict on purpose (specs are contracts for CI): duplicate keys, YAML 1.1's surprises and
+    values of the wrong JSON type are refused (``trainer.yamlspec``, the models' strict mode);
+    nesting is bounded before any recursive parser sees the body."""
+    if _media(content_type) in YAML_TYPES:
+        if len(raw) > max_yaml_bytes:
+            raise PayloadTooLarge(
+                f"a YAML body is limited to {max_yaml_bytes} bytes (TRAINQ_MAX_YAML_BYTES);"
+                " send a larger spec as JSON"
+            )
+        try:
+            payload = load_yaml(_body_text(raw))
+        except SpecSyntaxError as exc:
+            raise InvalidInput.at(["body"], f"body is not a valid YAML spec: {exc}") from exc
+    else:
+        if not json_depth_ok(raw):
+            raise InvalidInput.at(["body"], f"body is nested deeper than {MAX_DEPTH} levels")
+        try:
+            payload = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+        except ValueError as exc:
+            raise InvalidInput.at(["body"], f"body is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise InvalidInput.at(["body"], "the job spec must be an object")
     try:
@@ -143,7 +172,12 @@ async def submit_job(
 ) -> Response:
     """Submit a training job (JSON or YAML body); a repeated Idempotency-Key returns its job."""
     raw = await request.body()
-    spec = parse_spec(raw, request.headers.get("content-type"), services.settings.data_root)
+    content_type = request.headers.get("content-type")
+    args = (raw, content_type, services.settings.data_root, services.settings.max_yaml_bytes)
+    if len(raw) > INLINE_PARSE_BYTES or _media(content_type) in YAML_TYPES:
+        spec = await run_in_threadpool(parse_spec, *args)
+    else:
+        spec = parse_spec(*args)
     row = crud.job_row(principal, spec, idempotency_key)
     if services.submits is not None and await services.submits.add(row):
         created = True  # committed with the other submits of its batch (service.api.submit)
@@ -209,13 +243,22 @@ def list_jobs(
     return _json(JobList(items=items, next_cursor=next_cursor))
 
 
-def _pending_reason(services: Services, session: Any, row: Any) -> str | None:
+# A queued job always says why it waits; with Redis unreachable (restarting, say), the
+# registry cannot tell whether a worker serves the queue, and the answer says so.
+NO_REGISTRY = "waiting in queue {}; the worker registry is unreachable right now"
+
+
+def _served(queue: str, workers: list[dict[str, Any]]) -> bool:
+    return any(queue in (w.get("queues") or ()) for w in workers)
+
+
+def _pending_reason(services: Services, session: Any, row: Any) -> str:
     queue = row["queue"]
     try:
         workers = services.live_workers()
     except RedisError:
-        return None  # the job is still answered; only the hint is missing
-    if not any(queue in (w.get("queues") or ()) for w in workers):
+        return NO_REGISTRY.format(queue)  # the job is still answered; only the hint is vague
+    if not _served(queue, workers):
         return f"no worker serves queue {queue}"
     return f"position {crud.queue_position(session, queue, row['id'])} in queue {queue}"
 
@@ -255,9 +298,9 @@ async def _aget(services: Services, principal: Principal, job_id: str) -> Respon
         try:
             workers = await services.alive_workers()
         except RedisError:
-            workers = None  # the job is still answered; only the hint is missing
-        if workers is not None:
-            if not any(queue in (w.get("queues") or ()) for w in workers):
+            reason = NO_REGISTRY.format(queue)  # the job is still answered
+        else:
+            if not _served(queue, workers):
                 reason = f"no worker serves queue {queue}"
             else:
                 position = await crud.aqueue_position(reader, job_id)

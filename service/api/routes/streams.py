@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import csv
 import io
+import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from service.api import crud, reports
 from service.api.auth import Principal
-from service.api.deps import PrincipalDep, Services, ServicesDep
-from service.api.errors import NotFound
+from service.api.deps import PrincipalDep, Services, ServicesDep, get_principal
+from service.api.errors import NotFound, Unauthorized
 from service.api.models import JOBS
 from service.api.routes import errors
 from service.api.routes.jobs import JobId
 from service.api.schemas import METRIC_FIELDS, MetricPoint, MetricsOut
-from service.api.sse import follow_logs, format_log_line, is_entry_id, sse_events
+from service.api.sse import (
+    Follower,
+    follow_logs,
+    format_log_line,
+    format_sse,
+    is_entry_id,
+    sse_events,
+)
 
 __all__ = ["downsample", "router"]
 
@@ -44,6 +53,57 @@ def _require(services: Services, principal: Principal, job_id: str) -> None:
     with services.reader.connect() as session:
         if not crud.job_exists(session, principal, job_id):
             raise NotFound(f"job {job_id} not found")
+
+
+async def _follow(
+    request: Request, services: Services, principal: Principal, job_id: str, cursor: str
+) -> Follower:
+    """A follower of the job's stream, counted against the stream limits (a 429 beyond)."""
+    release = services.hub.admit(principal.name)
+    try:
+        follower = await services.hub.follow(
+            services.keys.job(job_id), cursor, _status_reader(services, job_id)
+        )
+    except BaseException:
+        release()
+        raise
+    follower.on_close = release
+    return follower
+
+
+async def _guarded(
+    request: Request, services: Services, chunks: AsyncIterator[bytes], *, sse: bool
+) -> AsyncIterator[bytes]:
+    """A stream that ends when its token is revoked (checked at least every
+    ``token_cache_s``, as often as a request's own check would notice) or when it is
+    ``sse_max_lifetime_s`` old (the client resumes with Last-Event-ID)."""
+    settings = services.settings
+    now = time.monotonic()
+    ends_at = now + settings.sse_max_lifetime_s
+    recheck_at = now + settings.token_cache_s
+    try:
+        async for chunk in chunks:
+            if chunk:
+                yield chunk
+            now = time.monotonic()
+            if now >= ends_at:
+                return
+            if settings.auth_enabled and now >= recheck_at:
+                recheck_at = now + settings.token_cache_s
+                try:
+                    await get_principal(request)
+                except Unauthorized:
+                    if sse:
+                        yield format_sse("error", {"message": "token revoked; stream closed"})
+                    return
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _tick_s(services: Services) -> float:
+    """How often a quiet stream wakes for its checks."""
+    settings = services.settings
+    return max(0.5, min(settings.token_cache_s or 1.0, settings.sse_max_lifetime_s))
 
 
 def _status_reader(services: Services, job_id: str) -> Any:
@@ -142,10 +202,11 @@ def _log_tail(
     response_class=Response,
     responses={
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-        **errors(401, 404),
+        **errors(401, 404, 429),
     },
 )
 async def job_logs(
+    request: Request,
     job_id: JobId,
     services: ServicesDep,
     principal: PrincipalDep,
@@ -160,17 +221,19 @@ async def job_logs(
     )
     if not follow:
         return Response("".join(lines), media_type="text/plain; charset=utf-8")
-    follower = await services.hub.follow(
-        services.keys.job(job_id), "0-0", _status_reader(services, job_id)
-    )
+    follower = await _follow(request, services, principal, job_id, "0-0")
 
-    async def body() -> Any:
+    async def body() -> AsyncIterator[bytes]:
         if lines:
             yield "".join(lines).encode()
-        async for chunk in follow_logs(follower, seen, rank):
+        async for chunk in follow_logs(follower, seen, rank, _tick_s(services)):
             yield chunk
 
-    return StreamingResponse(body(), media_type="text/plain; charset=utf-8", headers=STREAM_HEADERS)
+    return StreamingResponse(
+        _guarded(request, services, body(), sse=False),
+        media_type="text/plain; charset=utf-8",
+        headers=STREAM_HEADERS,
+    )
 
 
 @router.get(
@@ -181,10 +244,11 @@ async def job_logs(
             "description": "status, lifecycle, metric and log events; ends after the final status",
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         },
-        **errors(401, 404),
+        **errors(401, 404, 429),
     },
 )
 async def job_events(
+    request: Request,
     job_id: JobId,
     services: ServicesDep,
     principal: PrincipalDep,
@@ -193,9 +257,9 @@ async def job_events(
     """Server-Sent Events of a job; the id is the Redis entry id, so Last-Event-ID resumes."""
     await run_in_threadpool(_require, services, principal, job_id)
     cursor = last_event_id if last_event_id and is_entry_id(last_event_id) else "0-0"
-    follower = await services.hub.follow(
-        services.keys.job(job_id), cursor, _status_reader(services, job_id)
-    )
+    follower = await _follow(request, services, principal, job_id, cursor)
     return StreamingResponse(
-        sse_events(follower), media_type="text/event-stream", headers=STREAM_HEADERS
+        _guarded(request, services, sse_events(follower, _tick_s(services)), sse=True),
+        media_type="text/event-stream",
+        headers=STREAM_HEADERS,
     )
