@@ -180,21 +180,25 @@ def build_system(
     redis_dbs: RedisDBs,
     subprocess_env: dict[str, str],
     settings: dict[str, str],
+    redis_urls: tuple[str, str] | None = None,
 ) -> System:
     """Stores and settings of one system under ``root``: the demo corpus in the data root,
-    two fresh Redis databases (events, broker), a migrated database. Processes come later."""
+    two fresh Redis databases (events, broker; or ``redis_urls``), a migrated database.
+    Processes come later."""
     from service.api.migrate import upgrade
     from trainer.prepare import prepare_demo
 
     data_root = root / "data"
     prepare_demo(data_root / "demo")
-    redis_url = redis_dbs.url(redis_dbs.claim())
+    if redis_urls is None:
+        redis_urls = (redis_dbs.url(redis_dbs.claim()), redis_dbs.url(redis_dbs.claim()))
+    redis_url, broker_url = redis_urls
     prefix = "trainq"
     env = {
         **subprocess_env,
         "TRAINQ_DATABASE_URL": pg_url,
         "TRAINQ_REDIS_URL": redis_url,
-        "TRAINQ_BROKER_URL": redis_dbs.url(redis_dbs.claim()),
+        "TRAINQ_BROKER_URL": broker_url,
         "TRAINQ_REDIS_PREFIX": prefix,
         "TRAINQ_DATA_ROOT": str(data_root),
         "TRAINQ_RUNS_ROOT": str(root / "runs"),
