@@ -1,7 +1,8 @@
 """A small HTTP client for the trainq API, for the CLI and for scripts.
 
 ``Client()`` reads ``TRAINQ_URL`` (default ``http://127.0.0.1:8000``) and ``TRAINQ_TOKEN``
-through :class:`ClientSettings`. Every failure is one of the exceptions of
+through :class:`ClientSettings`, which refuses a URL that is not ``http(s)://HOST[:PORT]``
+(a usage error, before anything is sent). Every failure is one of the exceptions of
 ``service.cli.errors`` (re-exported here), with a one-line message and the exit code the
 CLI maps it to. httpx errors are wrapped once, here, with ``raise ... from exc``. This module
 imports httpx and the standard library only (never torch, Celery or SQLAlchemy), so the
@@ -14,15 +15,17 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 import httpx
 
 from service.cli.errors import (
     EXIT_CANCELLED,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_REJECTED,
     EXIT_TIMEOUT,
@@ -31,21 +34,25 @@ from service.cli.errors import (
     STATUS_ERRORS,
     TERMINAL,
     ApiError,
+    BadSetting,
     ClientError,
     Forbidden,
     Invalid,
     NotFound,
+    NotTrainq,
     TooLarge,
     Unauthorized,
     Unavailable,
     Unreachable,
     describe_error,
     exit_code_for,
+    is_trainq_error,
 )
 
 __all__ = [
     "EXIT_CANCELLED",
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_REJECTED",
     "EXIT_TIMEOUT",
@@ -53,12 +60,14 @@ __all__ = [
     "EXIT_USAGE",
     "TERMINAL",
     "ApiError",
+    "BadSetting",
     "Client",
     "ClientError",
     "ClientSettings",
     "Forbidden",
     "Invalid",
     "NotFound",
+    "NotTrainq",
     "SseEvent",
     "TooLarge",
     "Unauthorized",
@@ -69,6 +78,30 @@ __all__ = [
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# One SSE connection's read timeout when nothing bounds it sooner: longer than the server's
+# keep-alive ping interval (TRAINQ_SSE_PING_S, 15 s), so only a stuck connection hits it.
+SSE_READ_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 10.0
+# While a followed job is queued its stream is silent; its record is read this often for the
+# pending reason ("position 3 in queue gpu", "no worker serves queue gpu").
+PENDING_EVERY_S = 5.0
+
+
+def check_url(url: str, name: str = "TRAINQ_URL") -> str:
+    """``url`` without a trailing slash, or BadSetting naming ``name`` and the fix."""
+    example = f"e.g. {DEFAULT_URL}"
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or "://" not in url:
+        raise BadSetting(f"{name} must start with http:// or https://, {example} (got {url!r})")
+    try:
+        _ = parts.port  # parsing the port is the check
+    except ValueError:
+        raise BadSetting(f"{name} has an invalid port, {example} (got {url!r})") from None
+    if not parts.hostname:
+        raise BadSetting(f"{name} names no host, {example} (got {url!r})")
+    if parts.query or parts.fragment:
+        raise BadSetting(f"{name} must be the API's base URL, {example} (got {url!r})")
+    return url.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -80,9 +113,10 @@ class ClientSettings:
 
     @classmethod
     def from_env(cls) -> ClientSettings:
+        """From TRAINQ_URL and TRAINQ_TOKEN; BadSetting (exit 2) for a malformed URL."""
         url = os.environ.get("TRAINQ_URL", "").strip() or DEFAULT_URL
         token = os.environ.get("TRAINQ_TOKEN", "").strip() or None
-        return cls(url=url.rstrip("/"), token=token)
+        return cls(url=check_url(url), token=token)
 
 
 @dataclass(frozen=True)
@@ -124,13 +158,20 @@ class Client:
         self.close()
 
     def job_url(self, job_id: str) -> str:
-        return f"{self.url}/v1/jobs/{job_id}"
+        return f"{self.url}{_job_path(job_id)}"
 
     # -- plumbing ------------------------------------------------------------------------
 
     def _unreachable(self, exc: httpx.HTTPError) -> Unreachable:
         reason = str(exc) or exc.__class__.__name__
         return Unreachable(f"cannot reach the trainq service at {self.url} ({reason}); is it up?")
+
+    def _not_trainq(self, response: httpx.Response, answered: str) -> NotTrainq:
+        request = response.request
+        return NotTrainq(
+            f"URL {self.url} is not a trainq API ({request.method} {request.url.path} answered "
+            f"{answered}); check TRAINQ_URL"
+        )
 
     def _check(self, response: httpx.Response, what: str) -> httpx.Response:
         if response.status_code < 400:
@@ -139,6 +180,9 @@ class Client:
             body: Any = response.json()
         except ValueError:
             body = None
+        # A route trainq has, answered in a shape trainq never uses: another server is there.
+        if response.status_code in (404, 405, 501) and not is_trainq_error(body):
+            raise self._not_trainq(response, f"HTTP {response.status_code}")
         message = describe_error(response.status_code, body, what)
         cls = STATUS_ERRORS.get(response.status_code)
         if cls is None:
@@ -156,11 +200,8 @@ class Client:
         response = self._request(method, path, what, **kwargs)
         try:
             return response.json()
-        except ValueError as exc:
-            raise ApiError(
-                f"{self.url} answered {what} with something that is not JSON; is it trainq?",
-                response.status_code,
-            ) from exc
+        except ValueError:
+            raise self._not_trainq(response, "something that is not JSON") from None
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -195,30 +236,33 @@ class Client:
         result: dict[str, Any] = self._json("GET", "/v1/jobs", "job filter", params=params)
         return result
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{job_id}", f"job {job_id}")
+    def job(self, job_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """GET /v1/jobs/{id}; ``timeout`` (seconds) bounds this one request."""
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        result: dict[str, Any] = self._json("GET", _job_path(job_id), f"job {job_id}", **extra)
         return result
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{job_id}/cancel", f"job {job_id}")
+        path = _job_path(job_id, "cancel")
+        result: dict[str, Any] = self._json("POST", path, f"job {job_id}")
         return result
 
     def metrics(self, job_id: str, *, max_points: int = 1000) -> dict[str, Any]:
         params = {"max_points": max_points}
         result: dict[str, Any] = self._json(
-            "GET", f"/v1/jobs/{job_id}/metrics", f"job {job_id}", params=params
+            "GET", _job_path(job_id, "metrics"), f"job {job_id}", params=params
         )
         return result
 
     def metrics_csv(self, job_id: str, *, max_points: int = 1000) -> str:
         params: dict[str, str | int] = {"format": "csv", "max_points": max_points}
         return self._request(
-            "GET", f"/v1/jobs/{job_id}/metrics", f"job {job_id}", params=params
+            "GET", _job_path(job_id, "metrics"), f"job {job_id}", params=params
         ).text
 
     def logs(self, job_id: str, *, tail: int | None = None) -> str:
         params = {} if tail is None else {"tail": tail}
-        return self._request("GET", f"/v1/jobs/{job_id}/logs", f"job {job_id}", params=params).text
+        return self._request("GET", _job_path(job_id, "logs"), f"job {job_id}", params=params).text
 
     def follow_logs(self, job_id: str, *, tail: int | None = None) -> Iterator[str]:
         """Log text as it comes (``follow=true``); ends when the job has ended."""
@@ -226,7 +270,7 @@ class Client:
         if tail is not None:
             params["tail"] = tail
         # No read timeout: a quiet job sends nothing for as long as it is quiet.
-        timeout = httpx.Timeout(10.0, read=None)
+        timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=None)
         with self._stream(job_id, "logs", params=params, timeout=timeout) as response:
             yield from response.iter_text()
 
@@ -241,16 +285,22 @@ class Client:
             return False
 
     def events(
-        self, job_id: str, *, last_event_id: str | None = None, read_timeout: float = 60.0
-    ) -> Iterator[SseEvent]:
+        self,
+        job_id: str,
+        *,
+        last_event_id: str | None = None,
+        read_timeout: float = SSE_READ_TIMEOUT_S,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+    ) -> Generator[SseEvent, None, None]:
         """One connection to the job's SSE stream; ends when the server closes it.
 
-        ``read_timeout`` must be longer than the server's keep-alive ping interval.
+        ``read_timeout`` bounds each wait for a line; the server sends a keep-alive comment
+        every ping interval, so a timeout longer than that only ends a stuck connection.
         """
         headers = {"Accept": "text/event-stream"}
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
-        timeout = httpx.Timeout(10.0, read=read_timeout)
+        timeout = httpx.Timeout(connect_timeout, read=read_timeout)
         with self._stream(job_id, "events", headers=headers, timeout=timeout) as response:
             yield from parse_sse(response.iter_lines())
 
@@ -258,7 +308,7 @@ class Client:
     def _stream(self, job_id: str, what: str, **kwargs: Any) -> Iterator[httpx.Response]:
         """A streamed GET of /v1/jobs/{id}/{what}: errors checked first, drops as Unreachable."""
         try:
-            with self._http.stream("GET", f"/v1/jobs/{job_id}/{what}", **kwargs) as response:
+            with self._http.stream("GET", _job_path(job_id, what), **kwargs) as response:
                 if response.status_code >= 400:
                     response.read()
                     self._check(response, f"job {job_id}")
@@ -267,37 +317,113 @@ class Client:
             raise self._unreachable(exc) from exc
 
     def follow_events(
-        self, job_id: str, *, deadline: float | None = None, outage_s: float = 30.0
-    ) -> Iterator[SseEvent]:
+        self,
+        job_id: str,
+        *,
+        deadline: float | None = None,
+        outage_s: float = 30.0,
+        pending_every_s: float | None = None,
+    ) -> Generator[SseEvent, None, None]:
         """The job's events until its terminal status, reconnecting with Last-Event-ID.
 
-        The service being unreachable for more than ``outage_s`` in a row raises Unreachable;
-        ``deadline`` (a ``time.monotonic()`` value) raises TimeoutError when it passes.
+        ``deadline`` (a ``time.monotonic()`` value) raises TimeoutError once it passes, in
+        every state: each connection's connect and read timeouts and the sleep between
+        connections are bounded by the time left, so a silent stream (a queued job sends
+        only keep-alive comments) cannot hold the caller past it. The service being
+        unreachable for more than ``outage_s`` in a row raises Unreachable.
+
+        With ``pending_every_s``, the job's record is read when following starts and, while
+        the job is queued and its stream is quiet, at most that often; a change of its
+        pending reason is yielded as a ``pending`` event (``{"status", "pending_reason"}``).
         """
         last_id: str | None = None
         down_since: float | None = None
-        while True:
-            if deadline is not None and time.monotonic() > deadline:
+        watch = pending_every_s is not None
+        queued = watch  # not known yet: the record is read first
+        reason: str | None = None
+        next_read = time.monotonic()
+
+        def left(cap: float) -> float:
+            """``cap`` seconds, or what is left before the deadline; TimeoutError once past."""
+            if deadline is None:
+                return cap
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise TimeoutError
+            return min(cap, remaining)
+
+        def check_deadline() -> None:
+            left(0.0)
+
+        while True:
             try:
-                for ev in self.events(job_id, last_event_id=last_id):
+                if queued and time.monotonic() >= next_read:
+                    job = self.job(job_id, timeout=left(CONNECT_TIMEOUT_S))
                     down_since = None
-                    if ev.id:
-                        last_id = ev.id
-                    yield ev
-                    if ev.event == "status" and ev.data.get("status") in TERMINAL:
-                        return
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError
+                    next_read = time.monotonic() + (pending_every_s or 0.0)
+                    queued = job.get("status") == "queued"
+                    new = job.get("pending_reason") if queued else None
+                    if isinstance(new, str) and new and new != reason:
+                        yield SseEvent("pending", {"status": "queued", "pending_reason": new})
+                    reason = new
+                # A queued job's stream stays silent: wake up for the next read of its record.
+                wake = next_read - time.monotonic() if queued else SSE_READ_TIMEOUT_S
+                read_timeout = left(min(max(wake, 0.1), SSE_READ_TIMEOUT_S))
+                connection = self.events(
+                    job_id,
+                    last_event_id=last_id,
+                    read_timeout=read_timeout,
+                    connect_timeout=left(CONNECT_TIMEOUT_S),
+                )
+                closed = True  # by the server, as opposed to by us to read the record
+                try:
+                    with contextlib.closing(connection):
+                        for ev in connection:
+                            down_since = None
+                            if ev.id:
+                                last_id = ev.id
+                            status = ev.data.get("status") if ev.event == "status" else None
+                            if status is not None:
+                                if watch and status == "queued" and not queued:  # a retry
+                                    reason, next_read = None, time.monotonic()
+                                queued = watch and status == "queued"
+                            yield ev
+                            if status in TERMINAL:
+                                return
+                            check_deadline()  # between events too
+                            if queued and time.monotonic() >= next_read:
+                                closed = False
+                                break
+                except Unreachable as exc:
+                    # Only a wait we shortened ran out (the deadline is near, or the record
+                    # is due): not an outage. A stuck server still fails the record's read.
+                    if read_timeout >= SSE_READ_TIMEOUT_S or not _is_read_timeout(exc):
+                        raise
+                    check_deadline()
+                    closed = False
+                if not closed:
+                    continue
                 # The stream closed without a terminal status event: ask the record.
-                if self.job(job_id).get("status") in TERMINAL:
+                if self.job(job_id, timeout=left(CONNECT_TIMEOUT_S)).get("status") in TERMINAL:
                     return
+            except NotTrainq:
+                raise
             except (Unreachable, Unavailable):
+                check_deadline()  # a timeout at the deadline is the deadline, not an outage
                 now = time.monotonic()
                 down_since = down_since or now
                 if now - down_since > outage_s:
                     raise
-            time.sleep(1.0)
+            time.sleep(left(1.0))
+
+
+def _job_path(job_id: str, *rest: str) -> str:
+    """/v1/jobs/{id}[/...]: the id quoted as one path segment, whatever was typed."""
+    return "/".join(("/v1/jobs", quote(job_id, safe=""), *rest))
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 def parse_sse(lines: Iterator[str]) -> Iterator[SseEvent]:

@@ -7,7 +7,9 @@ httpx itself is imported when a command runs, not for ``--help``. ``data prepare
 trainer's shard writer (numpy) only when it runs.
 
 Every failure is one line on stderr (``trainq: error: ...``), never a traceback, with the
-exit codes of ``service.cli.client`` (documented in ``trainq submit --help``).
+exit codes of ``service.cli.client`` (documented in ``trainq submit --help``). What the
+server sent is printed through ``service.cli.output`` (``clean``), never raw, except a
+job's own log text.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
-from service.cli.output import fmt, outcome_line, table, when
+from service.cli.output import (
+    clean,
+    fmt,
+    job_rows,
+    job_status,
+    outcome_line,
+    table,
+    trainq_command,
+)
 from service.cli.specfile import SpecError, load_spec
 
 if TYPE_CHECKING:
@@ -34,16 +44,19 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 EXIT_CODES_HELP = """
-Exit codes with --wait (and --follow): 0 the job succeeded; 1 it failed; 2 bad usage or an
-unreadable spec file; 3 it was cancelled; 4 it timed out (max_runtime_s, or --timeout while
-waiting); 5 the service is unreachable or unavailable; 6 the API refused the request (401,
-403, 404, 409, 413, 422: the message names the field).
+Exit codes with --wait (and --follow): 0 the job succeeded; 1 it failed; 2 bad usage, an
+unreadable spec file or a malformed TRAINQ_URL; 3 it was cancelled; 4 it timed out
+(max_runtime_s, or --timeout while waiting: the job keeps going); 5 the service is
+unreachable or unavailable (or TRAINQ_URL is not a trainq API); 6 the API refused the request
+(401, 403, 404, 409, 413, 422: the message names the field); 130 Ctrl-C while waiting (the
+job keeps going).
 """
 
 
 def fail(message: str, code: int) -> typer.Exit:
     """Print one line on stderr; the caller raises the returned Exit."""
-    typer.echo(f"trainq: error: {message}", err=True)
+    # The message may quote the server (an error's detail): one line, no escapes, whatever.
+    typer.echo(f"trainq: error: {clean(message)}", err=True)
     return typer.Exit(code)
 
 
@@ -52,7 +65,7 @@ def cli_errors(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from service.cli.client import EXIT_UNREACHABLE, ClientError
+        from service.cli.client import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClientError
 
         try:
             return fn(*args, **kwargs)
@@ -64,7 +77,7 @@ def cli_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise
         except KeyboardInterrupt:
             typer.echo("", err=True)
-            raise typer.Exit(130) from None
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except BrokenPipeError:
             raise typer.Exit(0) from None  # `trainq logs ID | head`
         except Exception as exc:  # the last resort: a line, not a traceback
@@ -96,24 +109,69 @@ def _final(client: Client, job_id: str) -> dict[str, Any]:
     return job
 
 
+def _left_waiting(client: Client, job_id: str, known: dict[str, Any] | None) -> str:
+    """What becomes of a job we stop waiting for, and how to cancel it: for the last line."""
+    from service.cli.client import TERMINAL, ClientError
+
+    try:  # the record says best; a short wait only, the user is leaving
+        known = client.job(job_id, timeout=2.0)
+    except ClientError:
+        pass
+    status = (known or {}).get("status")
+    cancel = f"cancel it with `{trainq_command()} cancel {job_id}`"
+    if status == "queued":
+        why = (known or {}).get("pending_reason")
+        return f"job {job_id} stays queued{f' ({why})' if why else ''}; {cancel}"
+    if status == "cancelling":
+        return f"job {job_id} is being cancelled"
+    if status in TERMINAL:
+        return f"job {job_id} {status}"
+    if status is None:
+        return f"job {job_id} was not cancelled; {cancel}"
+    return f"job {job_id} keeps running; {cancel}"
+
+
+def _leaving(line: str) -> None:
+    typer.echo(clean(line), err=True)
+
+
 def wait_for_job(
     client: Client, job_id: str, *, follow: bool, timeout: float | None, quiet: bool = False
 ) -> int:
-    """Follow the job's events until it ends; its exit code (see EXIT_CODES_HELP)."""
-    from service.cli.client import EXIT_TIMEOUT, exit_code_for
+    """Follow the job's events until it ends; its exit code (see EXIT_CODES_HELP).
+
+    ``timeout`` holds in every state, a queued job's silence included; on it, or on Ctrl-C,
+    one line says the job goes on and how to cancel it (exit 4, exit 130).
+    """
+    from service.cli.client import EXIT_INTERRUPTED, EXIT_TIMEOUT, PENDING_EVERY_S, exit_code_for
     from service.cli.output import Progress
 
     progress = Progress() if follow else None
-    deadline = time.monotonic() + timeout if timeout else None
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    known: dict[str, Any] | None = None  # the status we saw last, for the leaving line
+    events = client.follow_events(
+        job_id, deadline=deadline, pending_every_s=PENDING_EVERY_S if follow else None
+    )
     try:
-        for ev in client.follow_events(job_id, deadline=deadline):
+        for ev in events:
+            if ev.event in ("status", "pending"):
+                known = ev.data
             if progress is not None:
                 progress.event(ev.event, ev.data)
     except TimeoutError:
         if progress is not None:
             progress.close()
-        typer.echo(f"trainq: error: gave up waiting for job {job_id} after {timeout}s", err=True)
+        left = _left_waiting(client, job_id, known)
+        _leaving(f"trainq: error: gave up waiting after {timeout:g}s: {left}")
         return EXIT_TIMEOUT
+    except KeyboardInterrupt:
+        events.close()
+        if progress is not None:
+            progress.close()
+        typer.echo("", err=True)  # after the ^C the terminal echoed
+        left = _left_waiting(client, job_id, known)
+        _leaving(f"trainq: stopped waiting (Ctrl-C): {left}")
+        return EXIT_INTERRUPTED
     finally:
         if progress is not None:
             progress.close()
@@ -161,10 +219,10 @@ def register(app: typer.Typer) -> None:
             job = client.submit(spec, idempotency_key)
             job_id = str(job["id"])
             if quiet:
-                typer.echo(job_id)
+                typer.echo(clean(job_id))
             else:
                 again = "" if job.get("status") == "queued" else f" ({job.get('status')})"
-                typer.echo(f"job {job_id} submitted{again}: {client.job_url(job_id)}")
+                typer.echo(clean(f"job {job_id} submitted{again}: {client.job_url(job_id)}"))
             if wait or follow:
                 raise typer.Exit(
                     wait_for_job(client, job_id, follow=follow, timeout=timeout, quiet=quiet)
@@ -187,23 +245,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(page, indent=2))
             return
-        rows = []
-        for j in page.get("items", []):
-            latest = j.get("latest") or {}
-            steps = f"{latest.get('step')}/{latest.get('steps')}" if latest else "-"
-            rows.append(
-                [
-                    j["id"],
-                    j.get("name", ""),
-                    j.get("status", ""),
-                    j.get("queue", ""),
-                    steps,
-                    fmt(latest.get("loss"), ".4f"),
-                    when(j.get("created_at")),
-                ]
-            )
-        header = ["ID", "NAME", "STATUS", "QUEUE", "STEP", "LOSS", "CREATED"]
-        typer.echo(table(rows, header) if rows else "no jobs")
+        typer.echo(job_rows(page.get("items", [])))
 
     @app.command("status")
     @cli_errors
@@ -217,29 +259,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(job, indent=2))
             return
-        lines = [f"job {job['id']}  {job.get('name')}  [{job.get('queue')}]"]
-        state = str(job.get("status"))
-        if job.get("reason"):
-            state += f" ({job['reason']})"
-        if job.get("message"):
-            state += f": {' '.join(str(job['message']).split())}"
-        lines.append(f"status:   {state}")
-        if job.get("pending_reason"):
-            lines.append(f"waiting:  {job['pending_reason']}")
-        latest = job.get("latest")
-        if latest:
-            lines.append(
-                f"progress: step {latest.get('step')}/{latest.get('steps')}  "
-                f"loss {fmt(latest.get('loss'), '.4f')}  val {fmt(latest.get('val_loss'), '.4f')}"
-                f"  {fmt(latest.get('tokens_per_s'), ',.0f')} tok/s"
-            )
-        for a in job.get("attempts") or []:
-            where = a.get("host") or "-"
-            ended = f" exit {a['exit_code']}" if a.get("exit_code") is not None else ""
-            why = f" ({a['reason']})" if a.get("reason") else ""
-            lines.append(f"attempt {a.get('number')}: {a.get('status')} on {where}{ended}{why}")
-        lines.append(f"created:  {when(job.get('created_at'))}  ended: {when(job.get('ended_at'))}")
-        typer.echo("\n".join(lines))
+        typer.echo(job_status(job))
 
     @app.command("logs")
     @cli_errors
@@ -268,7 +288,7 @@ def register(app: typer.Typer) -> None:
         """Cancel a job (idempotent): queued ends at once, running stops within the grace."""
         with _client() as client:
             job = client.cancel(job_id)
-        typer.echo(f"job {job['id']} {job.get('status')}")
+        typer.echo(clean(f"job {job.get('id')} {job.get('status')}"))
 
     @app.command("metrics")
     @cli_errors
@@ -281,7 +301,8 @@ def register(app: typer.Typer) -> None:
         """A job's metrics by step (downsampled to --max-points)."""
         with _client() as client:
             if csv:
-                sys.stdout.write(client.metrics_csv(job_id, max_points=max_points))
+                text = client.metrics_csv(job_id, max_points=max_points)
+                sys.stdout.write("\n".join(clean(line) for line in text.split("\n")))
                 return
             out = client.metrics(job_id, max_points=max_points)
         if as_json:

@@ -1,7 +1,9 @@
 """What can go wrong talking to the trainq API, and the CLI exit code each maps to::
 
     ClientError                 a clear one-line message and the CLI exit code it maps to
+    ├── BadSetting              TRAINQ_URL (or another client setting) is malformed: usage
     ├── Unreachable             the service cannot be reached (refused, DNS, timeout, cut off)
+    │   └── NotTrainq           something answers at the URL, but not trainq's API
     └── ApiError                the service answered with an error status (``status``)
         ├── Unauthorized        401: no token, or an unknown or revoked one
         ├── Forbidden           403
@@ -12,6 +14,10 @@
 
 An error answer's ``detail`` becomes the message: a 422 lists every ``field.path: message``
 (the request's ``body.`` prefix left off, so the path is the spec's own).
+
+trainq's API shapes every error as a JSON object ``{"detail": ...}`` (``service/api/app.py``),
+so ``is_trainq_error`` tells it apart from the 404/405/501 of some other server at
+``TRAINQ_URL`` (an HTML error page, say), which must not read as "job not found".
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 __all__ = [
     "EXIT_CANCELLED",
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_REJECTED",
     "EXIT_TIMEOUT",
@@ -29,16 +36,19 @@ __all__ = [
     "STATUS_ERRORS",
     "TERMINAL",
     "ApiError",
+    "BadSetting",
     "ClientError",
     "Forbidden",
     "Invalid",
     "NotFound",
+    "NotTrainq",
     "TooLarge",
     "Unauthorized",
     "Unavailable",
     "Unreachable",
     "describe_error",
     "exit_code_for",
+    "is_trainq_error",
 ]
 
 # Exit codes of the client commands; `trainq submit --wait` gates CI on these.
@@ -49,6 +59,7 @@ EXIT_CANCELLED = 3  # the job was cancelled
 EXIT_TIMEOUT = 4  # the job hit max_runtime_s, or --timeout passed while waiting
 EXIT_UNREACHABLE = 5  # the service cannot be reached, or answers 5xx/503
 EXIT_REJECTED = 6  # the API refused the request: 401, 403, 404, 409, 413, 422
+EXIT_INTERRUPTED = 130  # Ctrl-C while waiting (128 + SIGINT, as a shell reports it)
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -61,8 +72,16 @@ class ClientError(Exception):
         self.message = message
 
 
+class BadSetting(ClientError):
+    exit_code = EXIT_USAGE
+
+
 class Unreachable(ClientError):
     exit_code = EXIT_UNREACHABLE
+
+
+class NotTrainq(Unreachable):
+    """A server answers at the URL, but it is not trainq's API: the trainq service is not there."""
 
 
 class ApiError(ClientError):
@@ -104,6 +123,11 @@ def exit_code_for(status: str | None, reason: str | None) -> int:
     if reason == "timeout":
         return EXIT_TIMEOUT
     return EXIT_FAILED
+
+
+def is_trainq_error(body: Any) -> bool:
+    """Whether an error answer has the shape trainq's API gives every error (see above)."""
+    return isinstance(body, dict) and isinstance(body.get("detail"), str | list)
 
 
 def _field_path(loc: list[Any]) -> str:

@@ -3,17 +3,59 @@
 ``Progress`` is fed a job's SSE events (``service.cli.client.SseEvent``): metric points update
 one live line on a terminal (step/steps, loss, tokens/s, ETA), or become plain lines when
 the output is not a terminal; status and lifecycle changes get lines of their own.
+
+Everything a server sent passes through ``clean`` before it is printed (``table`` cleans
+every cell, the line builders their lines): a job name or message holding terminal escapes,
+CR/LF or bidi overrides shows them as ``\x1b``, ``\r``, ``\u202e`` instead of recolouring
+the terminal or forging rows. Only ``trainq logs`` passes the job's own output through as is.
 Standard library only.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shlex
+import shutil
 import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "fmt", "format_duration", "outcome_line", "table", "when"]
+__all__ = [
+    "Progress",
+    "clean",
+    "fmt",
+    "format_duration",
+    "job_rows",
+    "job_status",
+    "outcome_line",
+    "table",
+    "trainq_command",
+    "when",
+]
+
+# C0 controls, DEL, C1 controls, the line and paragraph separators, and the bidi embeddings,
+# overrides and isolates: what can move the cursor, recolour, break a line or reorder text.
+_UNSAFE = [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F)]
+_UNSAFE += range(0x2066, 0x206A)
+_ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNSAFE}
+
+
+def clean(value: Any) -> str:
+    """``value`` as text that prints as itself: control and bidi characters as escapes."""
+    return str(value).translate(_ESCAPES)
+
+
+def trainq_command() -> str:
+    """How to run this trainq again, for hints: ``trainq`` when that is what PATH finds,
+    else the path of the running script, else ``python -m service.cli``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0).startswith("trainq") and os.path.isfile(argv0):
+        on_path = shutil.which("trainq")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+            return "trainq"
+        return shlex.quote(os.path.abspath(argv0))
+    return f"{shlex.quote(sys.executable)} -m service.cli"
 
 
 def format_duration(seconds: float) -> str:
@@ -81,7 +123,7 @@ class Progress:
         if self._on_line:
             self.out.write("\r\x1b[2K")
             self._on_line = False
-        self.out.write(text + "\n")
+        self.out.write(clean(text) + "\n")
         self.out.flush()
 
     def note(self, text: str) -> None:
@@ -98,7 +140,7 @@ class Progress:
         if kind == "metric":
             line = self.metric_line(data)
             if self.live:
-                self.out.write("\r\x1b[2K" + line)
+                self.out.write("\r\x1b[2K" + clean(line))
                 self.out.flush()
                 self._on_line = True
                 return
@@ -116,6 +158,8 @@ class Progress:
             if data.get("message"):
                 text += f": {data['message']}"
             self.note(text)
+        elif kind == "pending":  # the client's own event: why a queued job waits
+            self.note(f"waiting: {data.get('pending_reason')}")
         elif kind == "lifecycle":
             phase = data.get("phase")
             attempt = data.get("attempt")
@@ -124,7 +168,9 @@ class Progress:
             elif phase == "exited":
                 code = data.get("exit_code")
                 why = data.get("reason") or ("ok" if code == 0 else "exit")
-                self.note(f"attempt {attempt} exited ({why}, exit code {code})")
+                # No exit code: the worker refused the attempt before anything ran.
+                ended = "" if code is None else f", exit code {code}"
+                self.note(f"attempt {attempt} exited ({why}{ended})")
 
     def close(self) -> None:
         self.flush_pending()
@@ -134,12 +180,11 @@ class Progress:
             self._on_line = False
 
 
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()
-        for r in [header, *rows]
-    ]
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    """Aligned columns; every cell cleaned first, so it is one line as wide as it prints."""
+    cells = [[clean(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(c) for c in col) for col in zip(*cells, strict=False)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells]
     return "\n".join(lines)
 
 
@@ -162,6 +207,46 @@ def outcome_line(job: dict[str, Any]) -> str:
     if job.get("message"):
         text += f": {' '.join(str(job['message']).split())}"
     latest = job.get("latest") or {}
-    if job.get("status") == "succeeded" and latest.get("loss") is not None:
-        text += f"; final loss {latest['loss']:.4f} at step {latest.get('step')}"
-    return text
+    loss = _num(latest.get("loss"))
+    if job.get("status") == "succeeded" and loss is not None:
+        text += f"; final loss {loss:.4f} at step {latest.get('step')}"
+    return clean(text)
+
+
+def job_rows(items: list[dict[str, Any]]) -> str:
+    """``trainq ls``: one row per job of a page's items."""
+    rows = []
+    for j in items:
+        latest = j.get("latest") or {}
+        steps = f"{latest.get('step')}/{latest.get('steps')}" if latest else "-"
+        row = [j.get("id"), j.get("name", ""), j.get("status", ""), j.get("queue", "")]
+        rows.append([*row, steps, fmt(latest.get("loss"), ".4f"), when(j.get("created_at"))])
+    header = ["ID", "NAME", "STATUS", "QUEUE", "STEP", "LOSS", "CREATED"]
+    return table(rows, header) if rows else "no jobs"
+
+
+def job_status(job: dict[str, Any]) -> str:
+    """``trainq status``: status, reason, why it waits, progress, attempts; each line cleaned."""
+    lines = [f"job {job.get('id')}  {job.get('name')}  [{job.get('queue')}]"]
+    state = str(job.get("status"))
+    if job.get("reason"):
+        state += f" ({job['reason']})"
+    if job.get("message"):
+        state += f": {' '.join(str(job['message']).split())}"
+    lines.append(f"status:   {state}")
+    if job.get("pending_reason"):
+        lines.append(f"waiting:  {job['pending_reason']}")
+    latest = job.get("latest")
+    if isinstance(latest, dict) and latest:
+        lines.append(
+            f"progress: step {latest.get('step')}/{latest.get('steps')}  "
+            f"loss {fmt(latest.get('loss'), '.4f')}  val {fmt(latest.get('val_loss'), '.4f')}"
+            f"  {fmt(latest.get('tokens_per_s'), ',.0f')} tok/s"
+        )
+    for a in job.get("attempts") or []:
+        where = a.get("host") or "-"
+        ended = f" exit {a['exit_code']}" if a.get("exit_code") is not None else ""
+        why = f" ({a['reason']})" if a.get("reason") else ""
+        lines.append(f"attempt {a.get('number')}: {a.get('status')} on {where}{ended}{why}")
+    lines.append(f"created:  {when(job.get('created_at'))}  ended: {when(job.get('ended_at'))}")
+    return "\n".join(clean(line) for line in lines)

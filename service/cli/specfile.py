@@ -17,18 +17,13 @@ class SpecError(ValueError):
 
 
 def _scalar(text: str) -> Any:
-    import yaml
+    """A ``--set`` value, read as the spec file's YAML is (3e-4 a float, 1:20 a string)."""
+    from trainer.yamlspec import SpecSyntaxError, load_yaml
 
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        return load_yaml(text)
+    except SpecSyntaxError:
         return text
-    if isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-4 (no dot) as a string; a spec means a number
-            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf") else value
-        except ValueError:
-            return value
-    return value
 
 
 def apply_override(spec: dict[str, Any], assignment: str) -> None:
@@ -48,19 +43,23 @@ def apply_override(spec: dict[str, Any], assignment: str) -> None:
 
 
 def load_spec(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """Read a YAML/JSON job spec and apply ``--set`` overrides; SpecError if unreadable."""
-    import yaml
+    """Read a YAML/JSON job spec and apply ``--set`` overrides; SpecError if unreadable.
+
+    The same strict YAML as the API reads (``trainer.yamlspec``): a duplicate key or an
+    alias is refused here, with its line, before anything is sent."""
+    from trainer.yamlspec import SpecSyntaxError, load_yaml
 
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path} is not UTF-8 (byte offset {exc.start})") from None
     try:
-        spec = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise SpecError(f"{path} is not valid YAML{at}") from None
+        spec = load_yaml(text)
+    except SpecSyntaxError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "unreadable"
+        raise SpecError(f"{path} is not a valid YAML spec: {first}") from None
     if not isinstance(spec, dict):
         raise SpecError(f"{path} must hold a mapping (name, queue, train, ...)")
     for assignment in overrides:

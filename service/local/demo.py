@@ -41,7 +41,7 @@ def demo_spec(steps: int = DEMO_STEPS) -> dict[str, Any]:
 def run_demo(client: Client, url: str, steps: int, out: TextIO) -> None:
     """Submit the demo job and print its progress until it ends."""
     from service.cli.client import ClientError
-    from service.cli.output import Progress, outcome_line
+    from service.cli.output import Progress, outcome_line, trainq_command
 
     def say(text: str) -> None:
         out.write(text + "\n")
@@ -50,7 +50,7 @@ def run_demo(client: Client, url: str, steps: int, out: TextIO) -> None:
     job = client.submit(demo_spec(steps))
     job_id = job["id"]
     say(f"demo: job {job_id} submitted ({steps} steps, 2 DDP ranks on CPU)")
-    say(f"  follow it elsewhere: TRAINQ_URL={url} trainq logs {job_id} -f")
+    say(f"  follow it elsewhere: TRAINQ_URL={url} {trainq_command()} logs {job_id} -f")
     say(f"                       curl -N {url}/v1/jobs/{job_id}/events")
     progress = Progress(out)
     try:

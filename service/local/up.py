@@ -11,16 +11,22 @@ What it runs, each as a child process in its own session (``service.local.childr
 
 The store is SQLite at ``DATA_DIR/trainq.db``, migrated before the API starts; datasets
 live in ``DATA_DIR/data`` and runs in ``DATA_DIR/runs`` (each overridable by its
-``TRAINQ_*`` variable). Auth is off on a loopback address; binding any other address turns
-it on (an admin token is written to ``DATA_DIR/admin-token``) and refuses to start with
-``TRAINQ_AUTH=off``. Ctrl-C or SIGTERM stops the workers (their runs checkpoint), then the
-API, then Redis, and ``trainq up`` exits only when the process table shows none of them, nor
-anything they started, is left.
+``TRAINQ_*`` variable). The bundled demo corpus is sharded into ``DATA_DIR/data/demo`` when
+that is missing (``--demo`` always re-shards it), so the examples (``data: {path: demo}``)
+and the banner's submit hint run as printed. One ``trainq up`` per data folder: it holds
+``flock`` on ``DATA_DIR/up.lock`` (holding its pid) while it lives, and a second one is
+refused, since two would share one Redis append-only file and one SQLite. Auth is off on a
+loopback address; binding any other address turns it on (an admin token is written to
+``DATA_DIR/admin-token``) and refuses to start with ``TRAINQ_AUTH=off``. Ctrl-C or SIGTERM
+stops the workers (their runs checkpoint), then the API, then Redis, and ``trainq up`` exits
+only when the process table shows none of them, nor anything they started, is left.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -87,6 +93,8 @@ class Up:
     worker_names: list[str] = field(default_factory=list)
     token: str | None = None
     redis_desc: str = ""
+    demo_data: Path | None = None  # the demo dataset, when the data root holds one
+    lock_fd: int | None = None
 
     def say(self, text: str = "") -> None:
         self.out.write(text + "\n")
@@ -100,6 +108,31 @@ class Up:
         return f"http://{host}:{self.port}"
 
     # -- starting ----------------------------------------------------------------------
+
+    def _lock(self) -> None:
+        """Hold DATA_DIR/up.lock for the life of this process; UpError if another holds it.
+
+        flock goes with the open file: it ends when this process does, however it ends, so
+        a stale lock file never refuses a later start. The fd is not inherited (O_CLOEXEC).
+        """
+        path = self.data_dir / "up.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UpError(
+                f"another trainq up is running with data folder {self.data_dir} (pid {holder})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.lock_fd = fd
+
+    def unlock(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the flock
+            self.lock_fd = None
 
     def _env(self, settings: Settings) -> dict[str, str]:
         """The children's environment: ours, plus the embedded layout where not set."""
@@ -263,6 +296,7 @@ class Up:
 
         t0 = time.monotonic()
         settings = Settings()
+        chosen = settings.model_fields_set
         loopback = is_loopback(self.host)
         auth = settings.auth_enabled if "auth" in settings.model_fields_set else not loopback
         if not loopback and not auth:
@@ -270,9 +304,11 @@ class Up:
                 f"refusing to bind {self.host} with TRAINQ_AUTH=off: anyone who reaches it "
                 "could run code here; bind 127.0.0.1, or leave auth on"
             )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Before the port: a second `trainq up` here most likely also chose the same port.
+        self._lock()
         if not port_free(self.host, self.port):
             raise UpError(f"port {self.port} on {self.host} is in use; choose one with --port")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         logs = self.data_dir / "logs"
         logs.mkdir(exist_ok=True)
         env = self._env(settings)
@@ -290,27 +326,48 @@ class Up:
         if auth:
             self.token = self._admin_token(env)
         self._go(api)
-        if self.demo:
-            from trainer.prepare import prepare_demo
-
-            prepare_demo(Path(env["TRAINQ_DATA_ROOT"]) / "demo")
+        self._demo_data(Path(env["TRAINQ_DATA_ROOT"]), own_root="data_root" not in chosen)
         client = self._client()
         self._wait_ready(client)
         self._banner(time.monotonic() - t0, env)
         return client
 
+    def _demo_data(self, root: Path, *, own_root: bool) -> None:
+        """Shard the demo corpus into ROOT/demo: always with --demo; when missing, if the
+        data root is this folder's own (a root of the user's is not written to unasked)."""
+        folder = root / "demo"
+        if self.demo or (own_root and not folder.exists()):
+            from trainer.prepare import prepare_demo
+
+            prepare_demo(folder)
+        if folder.is_dir():
+            self.demo_data = folder
+
     def _banner(self, took: float, env: dict[str, str]) -> None:
+        from service.cli.output import trainq_command
+
         auth = ' -H "Authorization: Bearer $TRAINQ_TOKEN"' if self.token else ""
+        q = shlex.quote
         self.say(f"trainq is up in {took:.1f}s: {self.url}  (API docs: {self.url}/docs)")
         self.say(f"  store:   {env['TRAINQ_DATABASE_URL']}; {self.redis_desc}")
         self.say(f"  data:    {env['TRAINQ_DATA_ROOT']}  runs: {env['TRAINQ_RUNS_ROOT']}")
         self.say(f"  workers: {', '.join(self.worker_names)}  logs: {self.data_dir / 'logs'}")
         if self.token:
-            self.say(f"  auth on: export TRAINQ_TOKEN=$(cat {self.data_dir / 'admin-token'})")
+            token_file = q(str(self.data_dir / "admin-token"))
+            self.say(f"  auth on: export TRAINQ_TOKEN=$(cat {token_file})")
+        local = trainq_command()
+        trainq = f"TRAINQ_URL={self.url} {local}"
         self.say("try:")
         self.say(f"  curl -s{auth} {self.url}/v1/workers")
         self.say(f"  curl -s{auth} '{self.url}/v1/jobs?limit=5'")
-        self.say(f"  TRAINQ_URL={self.url} trainq submit examples/tiny-ddp.yaml --follow")
+        self.say(f"  {trainq} workers")
+        example = _example_spec()
+        data = "" if self.demo_data else " --set train.data.path=mine"
+        if self.demo_data is None:  # the examples train on "demo", which this root lacks
+            mine = Path(env["TRAINQ_DATA_ROOT"]) / "mine"
+            self.say(f"  {local} data prepare YOUR-TEXT.txt --out {q(str(mine))}")
+        if example is not None:
+            self.say(f"  {trainq} submit {q(example)} --follow{data}")
         self.say("Ctrl-C stops everything.")
 
     # -- running -----------------------------------------------------------------------
@@ -338,6 +395,16 @@ class Up:
         """A second Ctrl-C while stopping: SIGKILL everything now."""
         for child in self.children:
             child.signal(signal.SIGKILL)
+
+
+def _example_spec() -> str | None:
+    """examples/tiny-ddp.yaml as a path that works from here: relative when it is under the
+    working folder, else absolute (a checkout the package runs from); None when not found."""
+    here = Path("examples/tiny-ddp.yaml")
+    if here.is_file():
+        return str(here)
+    checkout = Path(__file__).resolve().parents[2] / here
+    return str(checkout) if checkout.is_file() else None
 
 
 class _Signals:
@@ -387,12 +454,16 @@ def up(
         pass
     finally:
         handler.stopping = True  # from here on a signal hurries, it never raises
-        runner.say("stopping ...")
+        started = bool(runner.children)
+        if started:
+            runner.say("stopping ...")
         left = runner.stop()
         for sig, old in previous.items():
             signal.signal(sig, old)
+        runner.unlock()  # only now: the children that used the folder are gone
     if left:
         print(f"trainq up: error: processes left behind: {left}", file=sys.stderr)
         return 1
-    runner.say("stopped; no process left.")
+    if started:  # a refusal before anything started is its one line alone
+        runner.say("stopped; no process left.")
     return code

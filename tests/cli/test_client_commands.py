@@ -5,9 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,6 +22,7 @@ from service.cli.client import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_REJECTED,
+    EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
 )
@@ -161,6 +166,82 @@ def test_logs_follow_ends_when_the_job_ends(cli_system: CliSystem, trainq: Run) 
     assert tail.code == 0 and len(tail.out.splitlines()) == 2, tail
 
 
+# -- waiting on a job that waits: --timeout holds, and it says why it waits ---------------------
+
+NO_WORKER = "nobody-serves-this"
+
+
+@pytest.fixture()
+def unserved(cli_system: CliSystem) -> Iterator[list[str]]:
+    """Submit arguments for a job on a queue no worker serves; such jobs are cancelled after."""
+    spec = cli_system.spec("cli-unserved")
+    yield ["submit", str(spec), "--set", f"queue={NO_WORKER}"]
+    with cli_system.api.client() as http:
+        page = http.get("/v1/jobs", params={"status": "queued", "name": "cli-unserved"}).json()
+        for job in page["items"]:
+            http.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_submit_wait_timeout_holds_while_the_job_is_queued(
+    cli_system: CliSystem, trainq: Run, unserved: list[str]
+) -> None:
+    # A queued job's stream sends only keep-alive comments: the deadline must not wait for
+    # an event. Not a timing assertion: without the fix this never returns (the 60 s fail it).
+    r = trainq(*unserved, "--wait", "--timeout", "3", url=cli_system.api.url, timeout=60)
+    assert r.code == EXIT_TIMEOUT, r
+    job_id = _job_id(r.out)
+    line = one_line(r.err)
+    assert line.startswith("trainq: error: gave up waiting after 3s: "), line
+    assert f"job {job_id} stays queued (no worker serves queue {NO_WORKER})" in line
+
+
+def test_follow_says_why_it_waits_and_how_to_cancel_on_timeout(
+    cli_system: CliSystem, trainq: Run, unserved: list[str]
+) -> None:
+    r = trainq(*unserved, "--follow", "--timeout", "4", url=cli_system.api.url, timeout=60)
+    assert r.code == EXIT_TIMEOUT, r
+    job_id = _job_id(r.out)
+    # Said once when following starts, not again while it does not change.
+    assert r.out.splitlines()[1:] == [f"waiting: no worker serves queue {NO_WORKER}"], r.out
+    line = one_line(r.err)
+    assert f"job {job_id} stays queued" in line, line
+    # The cancel hint is a command that runs as printed (no bare `trainq` off PATH).
+    hint = re.search(r"cancel it with `([^`]+)`", line)
+    assert hint is not None, line
+    env = {**cli_system.system.env, "TRAINQ_URL": cli_system.api.url, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        shlex.split(hint.group(1)), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.startswith(f"job {job_id} cancel"), done
+
+
+def test_ctrl_c_while_following_exits_130_and_says_the_job_stays(
+    cli_system: CliSystem, unserved: list[str]
+) -> None:
+    env = {**cli_system.system.env, "TRAINQ_URL": cli_system.api.url}
+    waiter = subprocess.Popen(
+        [*trainq_argv(), *unserved, "--follow"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert waiter.stdout is not None
+        job_id = _job_id(waiter.stdout.readline())
+        assert waiter.stdout.readline().startswith("waiting: no worker serves queue")
+        waiter.send_signal(signal.SIGINT)
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
+    assert waiter.returncode == 130, (out, err)
+    line = one_line(err)
+    assert line.startswith(f"trainq: stopped waiting (Ctrl-C): job {job_id} stays queued"), line
+    assert f"cancel {job_id}`" in line
+
+
 # -- one clear line for every error, never a traceback ------------------------------------------
 
 
@@ -221,7 +302,9 @@ def test_too_large(cli_system: CliSystem, trainq: Run) -> None:
     "content, args, needle",
     [
         (None, [], "cannot read"),
-        ("name: [unclosed", [], "is not valid YAML"),
+        ("name: [unclosed", [], "is not a valid YAML spec"),
+        ("name: a\nname: b", [], "line 2: key 'name' is given twice"),
+        ("a: &x [1]\nb: *x", [], "aliases"),
         ("- a list", [], "must hold a mapping"),
         ("name: x", ["--set", "oops"], "is not KEY.PATH=VALUE"),
         ("name: x", ["--set", "name.first=1"], "name is not a mapping"),

@@ -1,5 +1,6 @@
-"""`trainq up` from the repository: auth on (token file, 401 without it), SIGTERM, refusals,
-and what it reads off the machine (GPU names to queues, Redis URLs)."""
+"""`trainq up` from the repository: auth on (token file, 401 without it), SIGTERM, refusals
+(a second `trainq up` in one data folder among them), the banner's hints, and what it reads
+off the machine (GPU names to queues, Redis URLs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -130,3 +132,92 @@ def test_addresses_and_redis_urls() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
     assert with_db("redis://:pw@h:6380/0", 1) == "redis://:pw@h:6380/1"
     assert db_number("redis://h:6379/7") == 7 and db_number("redis://h:6379") == 0
+
+
+def _start_up(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _banner(up: subprocess.Popen[str]) -> list[str]:
+    """The lines `trainq up` printed up to "Ctrl-C stops everything." (it is then ready)."""
+    assert up.stdout is not None
+    lines: list[str] = []
+    for line in up.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("Ctrl-C stops everything."):
+            return lines
+    raise AssertionError(f"trainq up ended early: {lines} {up.stderr.read() if up.stderr else ''}")
+
+
+def _stop(up: subprocess.Popen[str]) -> tuple[str, str]:
+    up.send_signal(signal.SIGTERM)
+    try:
+        return up.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        return up.communicate(timeout=10)
+
+
+def test_a_second_up_in_the_same_data_folder_is_refused(
+    subprocess_env: dict[str, str], tmp_path: Path
+) -> None:
+    data = tmp_path / "d"
+    argv = [*trainq_argv(), "up", "--data-dir", str(data), "--port"]
+    first = _start_up([*argv, str(free_port())], _env(subprocess_env), tmp_path)
+    try:
+        _banner(first)
+        # Another free port: only the folder is shared (its Redis AOF, its SQLite).
+        second = subprocess.run(
+            [*argv, str(free_port())],
+            env=_env(subprocess_env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        _, err = _stop(first)
+    assert second.returncode == 1, second
+    assert one_line(second.stderr) == (
+        f"trainq up: error: another trainq up is running with data folder {data.resolve()} "
+        f"(pid {first.pid})"
+    )
+    assert second.stdout == ""  # refused before it started anything
+    assert first.returncode == 0, err
+    assert (data / "up.lock").read_text().strip() == str(first.pid)
+
+
+def test_the_banner_hints_run_as_printed_without_demo(
+    subprocess_env: dict[str, str], tmp_path: Path, repo_root: Path
+) -> None:
+    # The console script, as the README installs it, when this environment has one.
+    script = Path(sys.executable).parent / "trainq"
+    cmd = [str(script)] if script.exists() else trainq_argv()
+    port = free_port()
+    data = tmp_path / "d"
+    env = _env(subprocess_env)
+    up = _start_up([*cmd, "up", "--port", str(port), "--data-dir", str(data)], env, repo_root)
+    try:
+        banner = _banner(up)
+        hints = [line.strip() for line in banner if line.strip().startswith("TRAINQ_URL=")]
+        assert [h.split()[-1] for h in hints] == ["workers", "--follow"], banner
+        workers, submit = hints
+        assert submit.endswith(" submit examples/tiny-ddp.yaml --follow"), submit
+        assert (data / "data/demo").is_dir()  # the examples' dataset, without --demo
+        # Each hint as a user pastes it into a shell, from the folder trainq up ran in.
+        r = subprocess.run(
+            ["bash", "-c", workers], env=env, cwd=repo_root, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0 and r.stdout.startswith("NAME"), r
+        r = subprocess.run(
+            ["bash", "-c", f"{submit} --set train.steps=2"],
+            env=env, cwd=repo_root, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert r.returncode == 0, r
+        assert " succeeded; final loss " in r.stdout, r
+        assert "None" not in r.stdout + r.stderr
+    finally:
+        _, err = _stop(up)
+    assert up.returncode == 0, err
