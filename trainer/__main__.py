@@ -5,7 +5,11 @@
 
 The config is validated before torch is imported, let alone a process group started. A
 known failure prints one line (no traceback), writes RUN_DIR/exit.json and exits with its
-`trainer.events.ExitCode`.
+`trainer.events.ExitCode`. Any other exception is recorded in RUN_DIR/exit.json as one line
+(``IndexError: ...``, the first failing rank's) before its traceback is printed.
+
+Everything the run writes is group-readable at most (trainer.files): the process runs with
+that umask, whatever it inherited.
 """
 
 from __future__ import annotations
@@ -13,13 +17,22 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from trainer.config import ConfigError, load_config, resolve_data_path
-from trainer.env import EXIT_FILE, TrainerEnv, exit_with_launcher, read_env, write_exit_file
+from trainer.env import (
+    EXIT_FILE,
+    TrainerEnv,
+    exit_with_launcher,
+    read_env,
+    write_crash,
+    write_exit_file,
+)
 from trainer.events import ExitCode
+from trainer.files import UMASK, make_dirs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,9 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     if env.distributed:
         exit_with_launcher()
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(run_dir)
         # A previous attempt's verdict must not be read as this one's.
         (run_dir / EXIT_FILE).unlink(missing_ok=True)
+    try:
+        return _main(args, run_dir, env)
+    except Exception as exc:
+        # train() records a crash itself before the process group goes; this catches the
+        # rest (an import, a config file's loader). The first record wins either way.
+        write_crash(run_dir, exc, rank=env.rank, step=None)
+        raise
+
+
+def _main(args: argparse.Namespace, run_dir: Path, env: TrainerEnv) -> int:
     try:
         cfg = load_config(args.config)
         data_dir = resolve_data_path(cfg.data.path, args.data_root, allow_absolute=True)
@@ -100,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.umask(UMASK)  # here, not in main(): a test calling main() keeps its own umask
     code = main()
     # The interpreter's last full collection walks every object that torch and its imports
     # made: ~1 s per rank on a small CPU, after the run is done and before the launcher sees

@@ -11,6 +11,8 @@ Layout under ``RUN_DIR/checkpoints/``::
 
 Every rank writes into ``tmp-step-N``; after a barrier rank 0 renames it to ``step-N``, writes
 DONE and prunes to the newest ``keep``. A crash at any point leaves the previous good one.
+Folders are made 0750 here; the files (ours, torch.save's, DCP's) are 0640 by the trainer's
+umask (trainer.files), and the rename keeps both.
 The batches are a pure function of the step (`trainer.data.BatchSampler`), so the data
 position is just the next step.
 """
@@ -31,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.files import make_dirs
 from trainer.parallelize import barrier, unwrap
 
 __all__ = [
@@ -115,7 +118,7 @@ def save_checkpoint(
     final = root / f"step-{progress.step}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save left it half written
-        tmp.mkdir(parents=True)
+        make_dirs(tmp / "dcp" if strategy == "fsdp" else tmp)
     barrier()
     if strategy == "fsdp":
         model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -6,6 +6,9 @@ tool work in both.
 
 A split ("train" or "val") is every ``{split}*.bin`` shard in a folder, cut into
 non-overlapping windows of ``seq_len + 1`` tokens that never cross a shard boundary.
+``trainer.prepare`` also writes ``meta.json`` beside the shards (tokenizer, vocab size, token
+counts); shards made elsewhere (llm.c) come without it. `check_vocab` makes sure the model's
+embedding covers every token id before a run starts.
 
 The sampler makes every batch a pure function of ``(seed, step, micro, rank, world)``, so a
 resumed run sees exactly the batches it would have seen, with no sampler state to save. Sample
@@ -19,13 +22,17 @@ Only :meth:`BatchSampler.batch` needs torch, and imports it itself, so the shard
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from trainer.files import make_dirs, set_mode
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +44,7 @@ __all__ = [
     "BatchSampler",
     "DataError",
     "TokenDataset",
+    "check_vocab",
     "find_shards",
     "open_shard",
     "write_shard",
@@ -47,6 +55,7 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SPLITS = ("train", "val")
+META_FILE = "meta.json"  # written by trainer.prepare next to its shards
 _TOKEN_DTYPE = np.dtype("<u2")
 _HEADER_DTYPE = np.dtype("<i4")
 
@@ -74,10 +83,11 @@ def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
         raise DataError(f"{path}: {arr.size} tokens do not fit one shard's int32 count")
     header = np.zeros(HEADER_INTS, dtype=_HEADER_DTYPE)
     header[0], header[1], header[2] = MAGIC, VERSION, arr.size
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     # The temp file lives next to the target so the rename stays on one filesystem (atomic).
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        set_mode(fd)  # mkstemp's 0600 would keep the dataset from its readers (trainer.files)
         with os.fdopen(fd, "wb") as f:
             f.write(header.tobytes())
             f.write(np.ascontiguousarray(arr).tobytes())
@@ -175,6 +185,11 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.num_samples
 
+    def max_token(self) -> int:
+        """The largest token id in the split's shards (used windows or not): one pass over
+        the memory-mapped shards, no copy of them."""
+        return max(int(shard.max()) for shard in self.shards)
+
     def sample(self, i: int) -> np.ndarray:
         """Window ``i`` as a uint16 array of length seq_len+1."""
         if not 0 <= i < self.num_samples:
@@ -192,6 +207,56 @@ class TokenDataset:
             starts = (idx[rows] - self._starts[k]) * self.window
             out[rows] = self.shards[k][starts[:, None] + self._offsets]
         return out
+
+
+def _meta_vocab(folder: Path, splits: Iterable[TokenDataset]) -> int | None:
+    """The vocab size in the folder's meta.json, if it describes these very shards: its
+    token count for each split must be the shards' (a meta.json left beside shards made
+    later, by another tool or another prepare, says nothing about them)."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+        vocab = meta["vocab_size"]
+        counts = {split: meta[f"{split}_tokens"] for split in SPLITS}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return None
+    if any(counts[ds.split] != ds.num_tokens for ds in splits):
+        return None
+    return vocab
+
+
+def check_vocab(name: str, vocab_size: int, splits: Iterable[TokenDataset]) -> None:
+    """DataError unless the model's ``vocab_size`` covers every token id of ``splits``.
+
+    A token id at or past the vocab size indexes past the embedding: the run would fail
+    only at its first forward pass, as an IndexError deep in torch (or a device-side assert
+    on a GPU), after the process group and the model were built. ``name`` is the dataset as
+    the spec names it (``data.path``).
+
+    The vocab comes from the folder's meta.json when it describes these shards: O(1),
+    whatever the size of the data, and the bound that matters (a tokenizer of 50257 ids
+    needs a model of 50257, whatever ids one sample happens to use). Without one (shards of
+    llm.c or any other tool) the shards themselves are read for their largest id: one
+    sequential pass over the memory-mapped files, which only such data pays for.
+    """
+    splits = list(splits)
+    if not splits:
+        return
+    vocab = _meta_vocab(splits[0].folder, splits)
+    if vocab is not None:
+        if vocab > vocab_size:
+            raise DataError(
+                f"dataset {name!r} has vocab {vocab} (max token id {vocab - 1}) but "
+                f"model.vocab_size is {vocab_size}; set model.vocab_size to at least {vocab}"
+            )
+        return
+    top = max(ds.max_token() for ds in splits)
+    if top >= vocab_size:
+        raise DataError(
+            f"dataset {name!r} has max token id {top} but model.vocab_size is {vocab_size}; "
+            f"set model.vocab_size to at least {top + 1}"
+        )
 
 
 class BatchSampler:

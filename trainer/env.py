@@ -17,9 +17,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EXIT_FILE", "TrainerEnv", "exit_with_launcher", "read_env", "write_exit_file"]
+from trainer.files import FILE_MODE, make_dirs, set_mode
+
+__all__ = [
+    "CRASH_EXIT_CODE",
+    "EXIT_FILE",
+    "TrainerEnv",
+    "error_line",
+    "exit_with_launcher",
+    "read_env",
+    "write_crash",
+    "write_exit_file",
+]
 
 EXIT_FILE = "exit.json"
+# How Python exits on an uncaught exception; exit.json says so for a crash record.
+CRASH_EXIT_CODE = 1
+MAX_ERROR_CHARS = 400  # an error line in exit.json and in the attempt's message
 
 
 @dataclass(frozen=True)
@@ -82,14 +96,44 @@ def write_exit_file(
         "step": step,
         "exit_code": exit_code,
     }
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(run_dir)
     try:
-        fd = os.open(run_dir / EXIT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(run_dir / EXIT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
         return False
+    set_mode(fd)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     return True
+
+
+def error_line(exc: BaseException, limit: int = MAX_ERROR_CHARS) -> str:
+    """An exception as the last line of its traceback: ``IndexError: index out of range in
+    self``, one line (the message's first non-empty one), at most ``limit`` characters."""
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{name}"
+    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    line = f"{name}: {text}" if text else name
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def write_crash(run_dir: Path, exc: BaseException, *, rank: int, step: int | None) -> bool:
+    """Record an uncaught exception of this rank in RUN_DIR/exit.json (the first failing rank
+    wins), so the attempt's message is the trainer's own error rather than torchrun's
+    report that a child failed. The reason is ``exit_code``: a crash is no known failure.
+
+    Call it before the process group is torn down: a rank that leaves the group first
+    makes the others fail with connection errors, which must not get in before it.
+    """
+    try:
+        return write_exit_file(
+            run_dir, "exit_code", error_line(exc), rank=rank, step=step,
+            exit_code=CRASH_EXIT_CODE,
+        )  # fmt: skip
+    except OSError:  # the run dir is unwritable: the traceback in the log still says it
+        return False
 
 
 def exit_with_launcher(poll_s: float = 0.1) -> None:

@@ -12,6 +12,8 @@ ids ``tokens`` [batch, seq] (int64, seq <= model.seq_len) to ``logits`` [batch, 
 with batch and sequence length dynamic. Before returning, the file is loaded back (ONNX
 Runtime for .onnx, when installed) and its logits compared with the checkpointed model's.
 
+The file is 0640 and a folder made for it 0750, whatever the umask (trainer.files).
+
 TorchScript is not offered: ``torch.jit`` is deprecated in the torch this targets, and
 torch.export is its successor. ONNX needs the ``export`` extra (onnx, onnxscript).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -30,6 +33,7 @@ import torch
 
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, ModelConfig, load_config
+from trainer.files import FILE_MODE, UMASK, make_dirs
 from trainer.model import GPT
 
 __all__ = ["ExportError", "export", "load_model"]
@@ -99,12 +103,13 @@ def export(model: GPT, out: Path, fmt: Format) -> float:
     example = _sample(cfg, 2, cfg.seq_len)
     dims = {0: Dim("batch", min=1, max=4096), 1: Dim("seq", min=2, max=cfg.seq_len)}
     check = _sample(cfg, 3, max(2, cfg.seq_len // 2))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)
     with torch.no_grad():
         expected = model(check)
         if fmt == "pt2":
             program = torch.export.export(model, (example,), dynamic_shapes=(dims,))
             torch.export.save(program, out)
+            os.chmod(out, FILE_MODE)
             got = torch.export.load(out).module()(check)
         else:
             if importlib.util.find_spec("onnxscript") is None:
@@ -119,6 +124,7 @@ def export(model: GPT, out: Path, fmt: Format) -> float:
                 output_names=["logits"],
                 verbose=False,
             )
+            os.chmod(out, FILE_MODE)
             if importlib.util.find_spec("onnxruntime") is None:
                 return float("nan")  # written, not checked
             import onnxruntime
@@ -158,4 +164,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.umask(UMASK)  # what torch writes beside the file (ONNX external data) too
     sys.exit(main())

@@ -21,6 +21,7 @@ import torch
 
 from trainer.env import TrainerEnv
 from trainer.events import Publisher, clean_number
+from trainer.files import make_dirs, set_mode
 
 __all__ = [
     "MetricsLogger",
@@ -125,7 +126,8 @@ class TensorBoardCurves:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._event, self._summary = Event, Summary
-        self._writer = EventFileWriter(str(log_dir))
+        # The folder 0750 here; its event files are 0640 by the trainer's umask.
+        self._writer = EventFileWriter(str(make_dirs(log_dir)))
 
     def add(self, record: dict[str, Any]) -> None:
         values = [
@@ -159,6 +161,7 @@ class MetricsLogger:
         if not enabled:
             return
         self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        set_mode(self._file.fileno())
         if env.redis_url:
             self._publisher = Publisher(
                 env.redis_url,

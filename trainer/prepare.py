@@ -9,6 +9,9 @@ works and the tokens decode back with ``bytes(tokens).decode("utf-8")``. With ``
 a local Hugging Face ``tokenizer.json`` is used through the optional ``tokenizers`` package
 (``pip install 'trainq[hf]'``); its vocabulary must fit uint16.
 
+The folder and the folders made for it are 0750, the shards and meta.json 0640, whatever the
+umask (trainer.files): the dataset is read by jobs of the whole group.
+
 Files are concatenated in the order given; the last ``val_fraction`` of the tokens is the
 validation split. Bad input is a :class:`~trainer.data.DataError` from :func:`prepare`; the
 CLI prints it as one line on stderr and exits 1.
@@ -28,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import DataError, write_shard
+from trainer.data import META_FILE, DataError, write_shard
+from trainer.files import make_dirs, set_mode
 
 __all__ = ["PrepareSummary", "main", "prepare", "prepare_demo"]
 
@@ -184,7 +188,7 @@ def prepare(
             f"choose an empty folder or pass --overwrite"
         )
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        make_dirs(out)
         for old in existing:
             old.unlink()
         train, val = tokens[: tokens.size - n_val], tokens[tokens.size - n_val :]
@@ -197,7 +201,7 @@ def prepare(
             train_shards=_write_split(out, "train", train, shard_tokens),
             val_shards=_write_split(out, "val", val, shard_tokens) if val.size else 0,
         )
-        _write_json(out / "meta.json", summary.to_dict())
+        _write_json(out / META_FILE, summary.to_dict())
     except OSError as exc:
         raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
     return summary
@@ -207,6 +211,7 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     with tempfile.NamedTemporaryFile(
         "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
     ) as f:
+        set_mode(f.fileno())  # a temporary file starts 0600
         json.dump(obj, f, indent=2)
         f.write("\n")
     Path(f.name).replace(path)

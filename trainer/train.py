@@ -12,6 +12,7 @@ import math
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -19,10 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    Progress,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trainer.config import ConfigError, OptimConfig, TrainConfig
-from trainer.data import BatchSampler, TokenDataset
-from trainer.env import TrainerEnv, write_exit_file
+from trainer.data import BatchSampler, DataError, TokenDataset, check_vocab
+from trainer.env import TrainerEnv, write_crash, write_exit_file
 from trainer.events import ExitCode
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
 from trainer.model import GPT
@@ -95,23 +102,40 @@ def check_preflight(cfg: TrainConfig) -> None:
         raise ConfigError("precision: fp16 needs CUDA (GradScaler); use bf16 or fp32 on CPU")
 
 
+@dataclass
+class Position:
+    """The step a rank is at (counted from 1), for the record of a crash."""
+
+    step: int | None = None
+
+
 def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> int:
     """Run to cfg.steps (or until SIGTERM); the process exit code."""
     check_preflight(cfg)
     # Data errors surface here, on every rank alike, before any process group exists.
     train_data = TokenDataset(data_dir, "train", cfg.model.seq_len)
     val_data = TokenDataset(data_dir, "val", cfg.model.seq_len) if cfg.eval.every else None
+    used = [train_data] if val_data is None else [train_data, val_data]
+    check_vocab(cfg.data.path, cfg.model.vocab_size, used)
     device = init_distributed(env)
     stop = StopFlag()
     stop.install()
     metrics = MetricsLogger(run_dir, env, enabled=env.is_main)
+    at = Position()
     try:
-        return _run(cfg, run_dir, env, device, train_data, val_data, stop, metrics)
+        return _run(cfg, run_dir, env, device, train_data, val_data, stop, metrics, at)
     except torch.OutOfMemoryError as exc:
         message = f"out of memory: {str(exc).splitlines()[0]}"
         print(f"trainer: oom: rank {env.rank}: {message}", file=sys.stderr, flush=True)
         write_exit_file(run_dir, "oom", message, rank=env.rank, step=None, exit_code=ExitCode.OOM)
         return ExitCode.OOM
+    except (ConfigError, CheckpointError, DataError):
+        raise  # known failures: trainer.__main__ reports them (spec_error)
+    except Exception as exc:
+        # Recorded here, before the finally below leaves the process group: the peers fail
+        # with connection errors once it is gone, and their record must not come first.
+        write_crash(run_dir, exc, rank=env.rank, step=at.step)
+        raise
     finally:
         metrics.close()
         stop.restore()
@@ -127,6 +151,7 @@ def _run(
     val_data: TokenDataset | None,
     stop: StopFlag,
     metrics: MetricsLogger,
+    at: Position,
 ) -> int:
     world, B, accum = env.world_size, cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps
     # Weights are drawn from one seed on the CPU (rank 0's for FSDP): one process, DDP and
@@ -187,6 +212,7 @@ def _run(
     model.train()
     quiet_until = 0.0  # the next progress line to stdout, not before (metrics go every step)
     for step in range(progress.step, cfg.steps):
+        at.step = step + 1  # as in metrics and messages
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:

@@ -1,8 +1,8 @@
 """Builds what a run is started with: the guard + torchrun argv list and the allow-listed env.
 
 Nothing here touches a shell: every value from a job spec ends up as one argv item, and the
-environment handed to torchrun (and so to every rank) is built from an allow-list, so broker
-URLs and other credentials of the worker never reach user code.
+environment handed to torchrun (and so to every rank) is built from an allow-list of names,
+so broker URLs and other credentials of the worker never reach the ranks.
 """
 
 from __future__ import annotations
@@ -12,19 +12,53 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
+    "ENV_LIBRARY",
     "ENV_PASSTHROUGH",
-    "ENV_PASSTHROUGH_PREFIXES",
     "LOG_LINE_PREFIX",
     "build_env",
     "build_guard_argv",
     "build_torchrun_argv",
+    "omp_threads",
     "safe_job_id",
 ]
 
 # Variables copied from the worker's own environment when set; everything else is dropped.
+# OMP_NUM_THREADS set on the worker is the operator's choice and wins over omp_threads().
 ENV_PASSTHROUGH = ("PATH", "PYTHONPATH", "HOME", "LANG", "OMP_NUM_THREADS")
-# Debug knobs of NCCL and PyTorch (NCCL_DEBUG, TORCH_DISTRIBUTED_DEBUG, TORCH_LOGS, ...).
-ENV_PASSTHROUGH_PREFIXES = ("NCCL_", "TORCH_")
+
+# The knobs of the libraries a rank runs on, copied when set on the worker: names, not
+# prefixes. A prefix handed every TORCH_* / NCCL_* variable of the worker to the ranks,
+# whatever it held (a token that some other tool keeps there, a knob nobody reviewed that
+# changes every run). A name missing here is one line to add.
+ENV_LIBRARY = (
+    # NCCL: which fabric the GPU collectives use (a cluster has to name its interface,
+    # InfiniBand HCAs and GPUDirect level; a faulty link is switched off here), and NCCL's
+    # debug output, the first thing asked for when a collective hangs.
+    *("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE"),
+    *("NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD"),
+    *("NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_TC", "NCCL_IB_SL"),
+    *("NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "NCCL_NET", "NCCL_NET_PLUGIN"),
+    *("NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL"),
+    *("NCCL_SHM_DISABLE", "NCCL_TOPO_FILE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_BUFFSIZE"),
+    *("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"),
+    # gloo (CPU collectives): the interface of a multi-node CPU run, as NCCL_SOCKET_IFNAME.
+    "GLOO_SOCKET_IFNAME",
+    # PyTorch's distributed runtime: its debug checks and logs, and how c10d handles NCCL
+    # errors and hangs (the TORCH_NCCL_* names; the NCCL_* spellings are deprecated).
+    *("TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES"),
+    *("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT"),
+    *("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING"),
+    *("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_AVOID_RECORD_STREAMS"),
+    # torchrun's rendezvous store: build_env sets it (see there); an operator may override.
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    # Where torch and torch.compile keep their caches: a host's local disk, not $HOME.
+    *("TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"),
+    # CUDA: the caching allocator's settings (fragmentation is a common cause of OOM),
+    # synchronous launches to find a failing kernel, lazy module loading, the JIT cache.
+    # Never CUDA_VISIBLE_DEVICES: the slot decides which GPUs a run sees.
+    *("PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING"),
+    *("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_CACHE_PATH"),
+)
 
 # torchrun prefixes every teed rank line with this (global rank), so the worker can tag lines;
 # torchrun's own lines carry no prefix.
@@ -103,6 +137,19 @@ def build_guard_argv(python: str, torchrun_argv: Sequence[str]) -> list[str]:
     return [python, "-I", "-S", str(GUARD), "--", *torchrun_argv]
 
 
+def omp_threads(cpus: int, slots: int, procs_per_node: int) -> int:
+    """OMP_NUM_THREADS of each rank: the slot's share of the worker's CPUs, split among the
+    slot's ranks (at least 1).
+
+    Each rank runs torch's intra-op thread pool, as wide as the machine unless told: N
+    ranks would oversubscribe the cores N times over, and crowd the runs of the other
+    slots. Unset, torchrun picks 1 instead, with a banner at the top of every run's log,
+    which leaves a CPU run, and the host side of a GPU run, one core per rank however many
+    the slot has. The worker's slots share its CPUs equally, as they share its GPUs.
+    """
+    return max(1, cpus // max(1, slots) // max(1, procs_per_node))
+
+
 def build_env(
     parent: Mapping[str, str],
     *,
@@ -111,20 +158,29 @@ def build_env(
     redis_prefix: str,
     job_id: str,
     attempt: int,
+    threads: int,
 ) -> dict[str, str]:
     """The run's environment: allow-listed parent variables plus what the trainer needs.
 
-    ``gpus=None`` (a CPU slot) hides every GPU rather than exposing all of them.
+    ``gpus=None`` (a CPU slot) hides every GPU rather than exposing all of them. ``threads``
+    is OMP_NUM_THREADS (`omp_threads`) unless the worker's own environment sets it.
     """
     # torchrun's shared rendezvous TCPStore keeps the previous round's keys, so ranks
     # restarted by --max-restarts can read stale peer addresses and fail to connect
     # (pytorch/pytorch#135712); a fresh store per round avoids it. The parent may override.
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.update({k: parent[k] for k in ENV_PASSTHROUGH if k in parent})
-    env.update({k: v for k, v in parent.items() if k.startswith(ENV_PASSTHROUGH_PREFIXES)})
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": str(threads)}
+    env.update({k: parent[k] for k in (*ENV_PASSTHROUGH, *ENV_LIBRARY) if k in parent})
     env.update(
         {
             "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus or ()),
+            # Only rank 0 publishes to Redis, but torchrun gives all its ranks one
+            # environment: there is no handing a variable to one rank. So every rank can
+            # read this URL, password included. What limits it is the account in it: the
+            # worker's setting TRAINQ_RANK_REDIS_URL (the worker itself needs far more)
+            # naming a Redis ACL user that may only XADD to the trainq streams:
+            #   ACL SETUSER trainq-rank on >PASSWORD resetkeys ~trainq:events
+            #       ~trainq:job:* resetchannels -@all +xadd +multi +exec +select
+            # (the trainer's Publisher needs nothing else: one MULTI of XADDs per batch).
             "TRAINQ_REDIS_URL": redis_url,
             "TRAINQ_REDIS_PREFIX": redis_prefix,
             "TRAINQ_JOB_ID": job_id,

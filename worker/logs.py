@@ -4,7 +4,8 @@ torchrun tees each rank's output to its own streams with a ``[rank{N}]:`` prefix
 (launch.LOG_LINE_PREFIX, the global rank); lines without it are torchrun's own (rank null).
 In a multi-node attempt every line also carries its ``node``. Lines are
 batched into one ``log`` event per ``batch_lines`` or ``batch_s``, whichever comes first,
-and the last lines are kept for the exit message.
+and the last lines are kept for the exit message: the ranks' own (their traceback, their
+last step), torchrun's only when no rank printed anything.
 
 An attempt forwards at most ``max_lines`` lines as they come; past that, only its last
 ``keep_last`` lines are held, and at the end they follow one line that says how many were
@@ -58,9 +59,10 @@ class LogForwarder:
         self._batch_s = batch_s
         self._lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
-        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.tail: deque[str] = deque(maxlen=tail_lines)  # the ranks' last lines
         # torchrun's own lines (its failure summary names the failed rank's exit code).
         self.agent: deque[str] = deque(maxlen=agent_lines)
+        self._tail_lines = tail_lines
         self.lines = 0
         self._max_lines = max_lines
         self._held: deque[dict[str, Any]] = deque(maxlen=keep_last)  # past max_lines
@@ -95,13 +97,22 @@ class LogForwarder:
                 self._pending.append(item)
             else:
                 self._held.append(item)
-            self.tail.append(text if rank is None else f"[rank{rank}] {text}")
             if rank is None:
                 self.agent.append(text)
+            else:
+                self.tail.append(f"[rank{rank}] {text}")
             if len(self._pending) >= self._batch_lines:
                 self._emit_locked()
             else:
                 self._waiting.set()
+
+    def last_lines(self) -> list[str]:
+        """The lines an exit message quotes: the ranks' last ones; torchrun's last ones when
+        no rank printed anything (it failed before starting them)."""
+        with self._lock:
+            if self.tail:
+                return list(self.tail)
+            return list(self.agent)[-self._tail_lines :]
 
     def _emit_locked(self) -> None:
         if self._pending:

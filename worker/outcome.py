@@ -1,9 +1,17 @@
 """Exit classification: how an attempt ended, as the (reason, message) of its exited event.
 
-Order: a stop the worker itself asked for (cancelled, timeout, preempted) wins; then exit
-status 0 is success; then the trainer's own ``exit.json`` (nan_loss, oom, spec_error, ...);
-then the failed rank's exit code from torchrun's failure summary (torchrun folds it into
-its own status 1); anything else is ``exit_code`` with the last log lines.
+Order: a stop the worker itself asked for (cancelled, timeout, preempted) wins, with the
+signal the worker sent as its exit code; then exit status 0 is success; then the trainer's
+own ``exit.json`` (nan_loss, oom, spec_error, ...); then the failed rank's exit code from
+torchrun's failure report (torchrun folds it into its own status 1); anything else is
+``exit_code``. Its message is the trainer's own error line when a rank recorded one in
+exit.json (``IndexError: ...``), and otherwise what torchrun reported plus the ranks' last
+log lines.
+
+A rank killed by a signal (SIGKILL, SIGSEGV, the OOM killer) records nothing, while the
+other ranks then fail in their next collective and may record that: torchrun's report of
+the signal comes first in the message, the others' error after it. SIGTERM is not such a
+cause: torchrun sends it to the ranks left once one failed, and may report them with it.
 """
 
 from __future__ import annotations
@@ -53,15 +61,29 @@ def read_exit_json(run_dir: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
+def _killed(code: int) -> bool:
+    """Killed by a signal that torchrun does not send itself: the cause of a failure."""
+    return code < 0 and -code != signal.SIGTERM
+
+
 def rank_exit_code(agent_lines: Iterable[str]) -> tuple[int, int | None] | None:
-    """(exit code, local rank) of the first failed rank torchrun reported, if any."""
+    """(exit code, local rank) of the failed rank torchrun reported, if any: the first one
+    killed by a signal (not SIGTERM), else the first that exited, else the first.
+
+    torchrun names its first failure by a timestamp in whole seconds, so a rank that failed
+    in a collective because its peer was killed may be named first; and the ranks it
+    SIGTERMs once one has failed may be listed as failed too.
+    """
+    found = []
     for line in agent_lines:
         m = _EXITCODE.search(line)
         if m:
             r = _RANK.search(line)
             rank = next((int(g) for g in r.groups() if g is not None), None) if r else None
-            return int(m.group(1)), rank
-    return None
+            found.append((int(m.group(1)), rank))
+    # sorted() is stable: within each kind, torchrun's order.
+    ranked = sorted(found, key=lambda f: 0 if _killed(f[0]) else 1 if f[0] >= 0 else 2)
+    return ranked[0] if ranked else None
 
 
 def _describe(code: int) -> str:
@@ -73,6 +95,17 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
+def _located(exit_info: dict[str, object]) -> str:
+    """exit.json's message with the rank and step it names: ``... (rank 1, step 7)``."""
+    where = []
+    if exit_info.get("rank") is not None:
+        where.append(f"rank {exit_info['rank']}")
+    if exit_info.get("step") is not None:
+        where.append(f"step {exit_info['step']}")
+    text = str(exit_info.get("message") or exit_info["reason"])
+    return f"{text} ({', '.join(where)})" if where else text
+
+
 def classify(
     code: int,
     *,
@@ -81,32 +114,37 @@ def classify(
     exit_info: dict[str, object] | None,
     agent_lines: Iterable[str],
     tail: Iterable[str],
+    stop_signal: int | None = None,
 ) -> Outcome:
     if stop_reason is not None:
-        return Outcome(code, stop_reason, stop_message)
+        # torchrun exits 1 after a SIGTERM whatever its ranks did, which reads as a failure
+        # of the run. The exit code says what the worker did instead: -15 (SIGTERM), or -9
+        # when the grace ran out, negative as in Python's returncode (128+N could be a
+        # program's own exit status). None when nothing was running to signal.
+        return Outcome(-stop_signal if stop_signal else code, stop_reason, stop_message)
     if code == 0:
         # A trainer SIGTERMed by someone else (the host, a scheduler) checkpoints and exits 0.
         if exit_info and exit_info.get("reason") == "preempted":
             return Outcome(0, "preempted", str(exit_info.get("message") or "preempted"))
         return Outcome(0, None, "succeeded")
+    crash = None  # a rank's own uncaught exception, recorded by the trainer (trainer.env)
     if exit_info and exit_info.get("reason") in REASONS:
-        where = []
-        if exit_info.get("rank") is not None:
-            where.append(f"rank {exit_info['rank']}")
-        if exit_info.get("step") is not None:
-            where.append(f"step {exit_info['step']}")
-        text = str(exit_info.get("message") or exit_info["reason"])
-        message = f"{text} ({', '.join(where)})" if where else text
-        return Outcome(code, str(exit_info["reason"]), message)
+        if exit_info["reason"] != "exit_code":
+            return Outcome(code, str(exit_info["reason"]), _located(exit_info))
+        crash = _located(exit_info)
     failed = rank_exit_code(agent_lines)
     if failed is not None and failed[0] in _CODE_REASON:
         rc, rank = failed
         who = f"rank {rank}" if rank is not None else "a rank"
         return Outcome(code, _CODE_REASON[ExitCode(rc)], f"{who} exited with {_describe(rc)}")
+    if crash is not None and (failed is None or not _killed(failed[0])):
+        return Outcome(code, "exit_code", crash)
     if failed is not None:
         rc, rank = failed
         who = f"local rank {rank}" if rank is not None else "a rank"
         head = f"torchrun exited with code {code}: {who} {_describe(rc)}"
+        if crash is not None:
+            head += f"; then {crash}"
     else:
         head = f"torchrun exited with {_describe(code)}"
     lines = list(tail)

@@ -20,6 +20,10 @@ class WorkerSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"  # events, heartbeats, cancel flags, registry
     broker_url: str = "redis://127.0.0.1:6379/1"  # Celery broker: its own database number
     redis_prefix: str = "trainq"
+    # The URL handed to the ranks (rank 0 publishes metrics with it); default: redis_url.
+    # torchrun gives every rank the same environment, so every rank can read it: make it a
+    # Redis ACL user that may only XADD to the trainq streams (worker.launch.build_env).
+    rank_redis_url: str | None = None
     data_root: Path = Path("data")
     runs_root: Path = Path("runs")
 

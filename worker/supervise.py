@@ -7,6 +7,9 @@ forward logs, watch cancel / deadline / shutdown -> stop the whole process group
 (SIGTERM, grace, SIGKILL) -> confirm by the process table that nothing of the group is left
 -> flush the logs -> report the exit.
 
+The run folder is group-readable at most (trainer.files): the worker makes its folders and
+config.json with those modes and starts the run with the matching umask.
+
 A job of N nodes is N tasks, one per node (``msg.node_rank``), each with its own claim,
 heartbeat and event source (trainer.events); their events carry ``node``. The service
 decides the attempt from all of them (service.api.state).
@@ -28,9 +31,16 @@ from typing import Any
 
 from trainer.config import ConfigError, resolve_data_path
 from trainer.events import NODE_SEQ_SHIFT, Publisher, worker_source
+from trainer.files import FILE_MODE, UMASK, fix_tree, make_dirs, set_mode
 from worker.context import Slot, WorkerContext
 from worker.gang import Gang, free_port
-from worker.launch import build_env, build_guard_argv, build_torchrun_argv, safe_job_id
+from worker.launch import (
+    build_env,
+    build_guard_argv,
+    build_torchrun_argv,
+    omp_threads,
+    safe_job_id,
+)
 from worker.logs import LogForwarder
 from worker.message import JobMessage
 from worker.outcome import Outcome, classify, read_exit_json
@@ -111,7 +121,10 @@ def write_run_config(run_dir: Path, train: dict[str, Any]) -> None:
     into the same (shared) run dir, the same content: each through a temporary file of its
     own, so one writer's rename can never take another's file from under it."""
     tmp = run_dir / f".config.json.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
-    tmp.write_text(json.dumps(train, indent=2) + "\n", encoding="utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    set_mode(fd)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(train, indent=2) + "\n")
     os.replace(tmp, run_dir / "config.json")
 
 
@@ -243,7 +256,7 @@ class _Attempt:
         return None, early
 
     def _prepare(self, run_dir: Path) -> None:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        make_dirs(run_dir / "logs")
         # A retry shares the run dir: an old attempt's failure must not classify this one.
         (run_dir / "exit.json").unlink(missing_ok=True)
         write_run_config(run_dir, self.msg.train.model_dump(mode="json"))
@@ -267,10 +280,11 @@ class _Attempt:
         env = build_env(
             os.environ,
             gpus=self.slot.gpus,
-            redis_url=s.redis_url,
+            redis_url=s.rank_redis_url or s.redis_url,
             redis_prefix=s.redis_prefix,
             job_id=msg.job_id,
             attempt=msg.attempt,
+            threads=omp_threads(len(os.sched_getaffinity(0)), ctx.slot_count, msg.procs_per_node),
         )
         # stdin is the guard's lifeline: only this process holds its write end.
         proc = subprocess.Popen(
@@ -281,6 +295,7 @@ class _Attempt:
             env=env,
             cwd=run_dir,
             start_new_session=True,
+            umask=UMASK,  # what torchrun and the ranks write (trainer.files)
         )
         pgid = proc.pid  # the guard leads the new session and its process group
         running: dict[str, object] = {
@@ -314,11 +329,11 @@ class _Attempt:
             self.wake.set()
 
         threading.Thread(target=wait_exit, name=f"wait-{proc.pid}", daemon=True).start()
-        stop_reason, stop_message = None, ""
+        stop_reason, stop_message, stop_signal = None, "", None
         try:
             stop_reason, stop_message = self._watch(exited)
             if stop_reason is not None:
-                self._stop_group(pgid, exited)
+                stop_signal = self._stop_group(pgid, exited)
         finally:
             # Whatever happened above, nothing of the run outlives the attempt.
             if not exited.is_set():
@@ -329,13 +344,18 @@ class _Attempt:
             code = proc.wait()
             proc.stdin.close()
             logs.close()
+        try:  # torchrun makes its log folders with mkdtemp (0700); the run is over now
+            fix_tree(run_dir / "logs")
+        except OSError as exc:
+            log.warning("could not set the modes of %s: %s", run_dir / "logs", exc)
         return classify(
             code,
             stop_reason=stop_reason,
             stop_message=stop_message,
+            stop_signal=stop_signal,
             exit_info=read_exit_json(run_dir),
             agent_lines=logs.agent,
-            tail=logs.tail,
+            tail=logs.last_lines(),
         )
 
     def _watch(self, exited: threading.Event) -> tuple[str | None, str]:
@@ -363,11 +383,13 @@ class _Attempt:
                 return "timeout", f"ran past max_runtime_s={limit}"
         return None, ""
 
-    def _stop_group(self, pgid: int, exited: threading.Event) -> None:
-        """SIGTERM to every process of the run (ranks checkpoint), then SIGKILL after grace."""
+    def _stop_group(self, pgid: int, exited: threading.Event) -> signal.Signals | None:
+        """SIGTERM to every process of the run (ranks checkpoint), then SIGKILL after grace.
+        The last signal sent, or None if the run had ended before any was."""
         grace = self.s.cancel_grace_s
         deadline = time.monotonic() + grace
-        signal_group(pgid, signal.SIGTERM)
+        if not signal_group(pgid, signal.SIGTERM):
+            return None
         # torchrun may exit before its ranks finish their checkpoint: wait for the group.
         exited.wait(grace)
         if not wait_group_gone(pgid, max(0.0, deadline - time.monotonic())):
@@ -375,3 +397,5 @@ class _Attempt:
                 "run %s still running %.0f s after SIGTERM; killing it", self.msg.job_id, grace
             )
             signal_group(pgid, signal.SIGKILL)
+            return signal.SIGKILL
+        return signal.SIGTERM

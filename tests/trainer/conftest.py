@@ -2,7 +2,8 @@
 
 Starting torchrun costs seconds on two cores, so the one-process, DDP and FSDP runs of the
 debug config happen once per session and the equality, loss-falls, golden and resume tests
-all read them.
+all read them. They start with umask 0, the most permissive, so the modes of what they
+write show the trainer's own policy (trainer.files) and nothing of the test's umask.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _reference(
     nproc: int,
 ) -> Path:
     run_dir = tmp_path_factory.mktemp("ref") / name
-    code, out = runs.run(cfg, run_dir, data_root, env, nproc=nproc)
+    code, out = runs.run(cfg, run_dir, data_root, env, nproc=nproc, umask=0)
     assert code == 0, out
     return run_dir
 

@@ -77,9 +77,15 @@ def argv(cfg_path: Path, run_dir: Path, data_root: Path, nproc: int) -> list[str
 
 
 def start(
-    cfg: dict[str, Any], run_dir: Path, data_root: Path, env: dict[str, str], nproc: int = 2
+    cfg: dict[str, Any],
+    run_dir: Path,
+    data_root: Path,
+    env: dict[str, str],
+    nproc: int = 2,
+    umask: int = -1,
 ) -> subprocess.Popen[str]:
-    """Launch a run in its own session, so a test can signal the whole process group."""
+    """Launch a run in its own session, so a test can signal the whole process group.
+    ``umask`` is the one the run starts with (-1: the test's own)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / f"{run_dir.name}.json"
     cfg_path.write_text(json.dumps(cfg))
@@ -92,6 +98,7 @@ def start(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        umask=umask,
     )
 
 
@@ -112,8 +119,9 @@ def run(
     env: dict[str, str],
     nproc: int = 2,
     timeout: float = 120,
+    umask: int = -1,
 ) -> tuple[int, str]:
-    return finish(start(cfg, run_dir, data_root, env, nproc), timeout)
+    return finish(start(cfg, run_dir, data_root, env, nproc, umask), timeout)
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -194,3 +202,20 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def modes(root: Path) -> dict[str, str]:
+    """Everything under ``root`` (not itself) as relative path -> mode, like ``0o640``."""
+    return {
+        str(p.relative_to(root)) + ("/" if p.is_dir() else ""): oct(p.lstat().st_mode & 0o777)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def wrong_modes(root: Path) -> dict[str, str]:
+    """What under ``root`` is not a 0750 folder or a 0640 file (trainer.files)."""
+    return {
+        path: mode
+        for path, mode in modes(root).items()
+        if mode != (oct(0o750) if path.endswith("/") else oct(0o640))
+    }

@@ -21,7 +21,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import ModelConfig, OptimConfig
-from trainer.env import read_env, write_exit_file
+from trainer.env import error_line, read_env, write_exit_file
 from trainer.metrics import peak_flops
 from trainer.model import GPT
 from trainer.train import build_optimizer
@@ -134,6 +134,7 @@ def test_read_env() -> None:
 
 def test_first_failing_rank_writes_exit_json(tmp_path: Path) -> None:
     assert write_exit_file(tmp_path, "oom", "first", rank=1, step=3, exit_code=76)
+    assert (tmp_path / "exit.json").stat().st_mode & 0o777 == 0o640  # whatever the umask
     assert not write_exit_file(tmp_path, "nan_loss", "second", rank=0, step=3, exit_code=75)
     assert json.loads((tmp_path / "exit.json").read_text()) == {
         "reason": "oom",
@@ -146,3 +147,20 @@ def test_first_failing_rank_writes_exit_json(tmp_path: Path) -> None:
 
 def test_no_peak_flops_on_cpu() -> None:
     assert peak_flops(torch.device("cpu"), "bf16") is None
+
+
+class _Custom(Exception):
+    pass
+
+
+def test_error_line_is_the_last_line_of_a_traceback() -> None:
+    assert error_line(IndexError("index out of range in self")) == (
+        "IndexError: index out of range in self"
+    )
+    assert error_line(KeyError("python")) == "KeyError: 'python'"
+    assert error_line(RuntimeError()) == "RuntimeError"
+    # One line: the message's first non-empty one (torch's errors go on for paragraphs).
+    assert error_line(ValueError("\n  first\nsecond\n")) == "ValueError: first"
+    assert error_line(_Custom("x")) == f"{__name__}._Custom: x"
+    long = error_line(RuntimeError("y" * 5000))
+    assert len(long) == 400 and long.startswith("RuntimeError: yyy") and long.endswith("...")

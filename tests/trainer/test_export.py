@@ -62,15 +62,17 @@ def _export(run_dir: Path, out: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
         cwd=runs.REPO,
+        umask=0,  # the file's mode is the trainer's policy, not the umask's
     )
 
 
 @pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
 def test_export_reproduces_the_logits(fsdp_run: Path, tmp_path: Path, suffix: str) -> None:
-    out = tmp_path / f"model{suffix}"
+    out = tmp_path / "exports" / f"model{suffix}"
     done = _export(fsdp_run, out)
     assert done.returncode == 0, done.stderr
     assert f"exported step 20 of {fsdp_run}" in done.stdout
+    assert [oct(p.stat().st_mode & 0o777) for p in (out.parent, out)] == ["0o750", "0o640"]
     model, _ = load_model(fsdp_run)
     # Another batch size and length than the export traced: both dims are dynamic.
     tokens = torch.randint(

@@ -1,5 +1,6 @@
-"""How runs end badly: a diverging loss, an invalid config, unusable data; and how they report
-(one line, an exit code, exit.json). Also bf16 on CPU and metrics over a real Redis."""
+"""How runs end badly: a diverging loss, an invalid config, unusable data, a crash; and how
+they report (one line, an exit code, exit.json). Also bf16 on CPU and metrics over a real
+Redis."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import torch
 
 from tests.trainer import runs
 from trainer.__main__ import main as trainer_main
-from trainer.data import write_shard
+from trainer.data import TokenDataset, check_vocab, write_shard
 from trainer.events import Event, ExitCode, Keys
+from trainer.prepare import prepare
 
 
 def _exit_info(run_dir: Path) -> dict[str, object]:
@@ -171,6 +173,133 @@ def test_data_errors_are_one_line(
     assert expected in err
     info = _exit_info(tmp_path / "run")
     assert info["exit_code"] == ExitCode.DATA_ERROR and expected in str(info["message"])
+
+
+def _prepared(root: Path, name: str) -> Path:
+    """A byte-level dataset made by trainer.prepare: vocab 256 in its meta.json."""
+    text = root / f"{name}.txt"
+    text.write_text(" ".join(runs.WORDS) * 200)
+    prepare([text], root / name)
+    return root / name
+
+
+def _prepared_for_a_bigger_model(root: Path) -> tuple[str, int, str]:
+    _prepared(root, "bytes")
+    # Its bytes are all below 128, so only meta.json can tell that it needs 256.
+    return (
+        "bytes",
+        200,
+        (
+            "dataset 'bytes' has vocab 256 (max token id 255) but model.vocab_size is 200; "
+            "set model.vocab_size to at least 256"
+        ),
+    )
+
+
+def _llmc_shards_without_meta(root: Path) -> tuple[str, int, str]:
+    write_shard(root / "raw" / "train_000.bin", np.arange(5000) % 301)
+    write_shard(root / "raw" / "val_000.bin", np.arange(500) % 100)
+    return (
+        "raw",
+        256,
+        (
+            "dataset 'raw' has max token id 300 but model.vocab_size is 256; "
+            "set model.vocab_size to at least 301"
+        ),
+    )
+
+
+def _shards_rewritten_under_a_stale_meta(root: Path) -> tuple[str, int, str]:
+    folder = _prepared(root, "stale")
+    for shard in folder.glob("train*.bin"):
+        shard.unlink()
+    write_shard(folder / "train_000000.bin", np.arange(4000) % 290)  # another count
+    return (
+        "stale",
+        256,
+        (
+            "dataset 'stale' has max token id 289 but model.vocab_size is 256; "
+            "set model.vocab_size to at least 290"
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_prepared_for_a_bigger_model, _llmc_shards_without_meta, _shards_rewritten_under_a_stale_meta],
+    ids=["meta-json", "no-meta-json", "stale-meta-json"],
+)
+def test_token_ids_past_the_model_vocab_are_a_spec_error_before_any_process_group(
+    make: Callable[[Path], tuple[str, int, str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not an IndexError at the first forward pass, once every rank has built its model: the
+    same one line as any data error, from meta.json when it describes the shards, else from
+    the shards' largest token id."""
+    root = tmp_path / "data"
+    root.mkdir()
+    path, vocab, expected = make(root)
+    cfg = runs.config(data={"path": path}, model={"vocab_size": vocab})
+    assert _main(cfg, tmp_path, root) == ExitCode.DATA_ERROR
+    assert capsys.readouterr().err == f"trainer: error: {expected}\n"
+    info = _exit_info(tmp_path / "run")
+    assert (info["reason"], info["message"], info["rank"]) == ("spec_error", expected, 0)
+    splits = [TokenDataset(root / path, split, 32) for split in ("train", "val")]
+    check_vocab(path, 512, splits)  # a model that covers them: no error
+
+
+def test_an_uncaught_exception_is_recorded_by_the_rank_that_raised_it(
+    data_root: Path, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Rank 1 alone fails (its RNG file in the checkpoint is not one): exit.json names its
+    exception in one line, not rank 0's connection error that follows once rank 1 is gone."""
+    from trainer.checkpoint import Progress, save_checkpoint
+    from trainer.config import TrainConfig
+    from trainer.model import GPT
+    from trainer.train import build_optimizer
+
+    cfg = runs.config(steps=8, eval={"every": 0}, checkpoint={"every": 0, "keep": 1})
+    model_cfg = TrainConfig.model_validate(cfg)
+    gpt = GPT(model_cfg.model)
+    run_dir = tmp_path / "run"
+    ckpt = save_checkpoint(run_dir, Progress(step=4, tokens_seen=0), gpt,
+                           build_optimizer(gpt, model_cfg.optim), None, strategy="ddp", rank=0,
+                           world_size=2, keep=1)  # fmt: skip
+    torch.save({}, ckpt / "rng-rank1.pt")
+    code, out = runs.run(cfg, run_dir, data_root, subprocess_env)
+    assert code != 0
+    assert _exit_info(run_dir) == {
+        "reason": "exit_code",
+        "message": "KeyError: 'python'",
+        "rank": 1,
+        "step": None,
+        "exit_code": 1,
+    }, out
+    assert "KeyError: 'python'" in out  # the traceback is still printed, in the rank's log
+
+
+def test_a_known_failure_inside_the_run_is_not_recorded_as_a_crash(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint of another strategy is found while the run is set up, inside the part
+    where any other exception is recorded as a crash: it stays a one-line spec_error."""
+    from trainer.checkpoint import Progress, save_checkpoint
+    from trainer.config import TrainConfig
+    from trainer.model import GPT
+    from trainer.train import build_optimizer
+
+    cfg = runs.config(eval={"every": 0})
+    model_cfg = TrainConfig.model_validate(cfg)
+    gpt = GPT(model_cfg.model)
+    save_checkpoint(tmp_path / "run", Progress(step=4, tokens_seen=0), gpt,
+                    build_optimizer(gpt, model_cfg.optim), None, strategy="ddp", rank=0,
+                    world_size=2, keep=1)  # fmt: skip
+    assert _main(cfg, tmp_path, data_root) == ExitCode.SPEC_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("trainer: error: checkpoint ") and err.count("\n") == 1, err
+    info = _exit_info(tmp_path / "run")
+    assert info["reason"] == "spec_error" and "strategy 'ddp'" in str(info["message"])
 
 
 def test_bf16_fsdp_on_cpu_publishes_metrics_to_redis(

@@ -19,7 +19,7 @@ TEXT = "Grüße aus Köln! 日本語も少し。\nThe quick brown fox jumps over
 
 
 def _run(
-    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 60
+    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 60, umask: int = -1
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainer.prepare", *args],
@@ -28,6 +28,7 @@ def _run(
         capture_output=True,
         text=True,
         timeout=timeout,
+        umask=umask,
     )
 
 
@@ -130,6 +131,28 @@ def test_cli_bad_input_is_one_line(
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith("prepare: error: ") and expected in lines[0]
     assert not out.exists() or not any(out.iterdir()), "a failed prepare wrote shards"
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_prepared_dataset_is_group_readable_at_most(
+    umask: int, tmp_path: Path, subprocess_env: dict[str, str], repo_root: Path
+) -> None:
+    """Folders 0750 and files 0640 whatever the umask: not 0600 (mkstemp's), which kept the
+    dataset from the group's jobs, nor world-readable."""
+    src = tmp_path / "a.txt"
+    src.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "datasets" / "mine"
+    args = ["--out", str(out), "--shard-tokens", "1000", str(src)]
+    res = _run(args, subprocess_env, repo_root, umask=umask)
+    assert res.returncode == 0, res.stderr
+    made = [out.parent, *sorted(out.parent.rglob("*"))]
+    assert len(made) > 5 and out / "meta.json" in made
+    wrong = {
+        str(p): oct(p.stat().st_mode & 0o777)
+        for p in made
+        if p.stat().st_mode & 0o777 != (0o750 if p.is_dir() else 0o640)
+    }
+    assert wrong == {}
 
 
 def test_existing_shards_need_overwrite(tmp_path: Path) -> None:

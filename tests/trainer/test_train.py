@@ -132,3 +132,16 @@ def test_fsdp_checkpoint_is_sharded(fsdp_run: Path) -> None:
         "__1_0.distcp",
     ]
     assert not (folder / "model.pt").exists()
+
+
+def test_run_folders_are_group_readable_at_most(
+    single_run: Path, ddp_run: Path, fsdp_run: Path
+) -> None:
+    """Started with umask 0, the runs still write folders 0750 and files 0640: checkpoints
+    (renamed from their temporary folder; FSDP's DCP shards), metrics.jsonl, TensorBoard."""
+    for run_dir in (single_run, ddp_run, fsdp_run):
+        found = runs.modes(run_dir)
+        assert {"metrics.jsonl", "checkpoints/step-20/DONE", "tb/"} <= set(found), found
+        assert any(p.startswith("tb/events.") for p in found), found
+        assert runs.wrong_modes(run_dir) == {}, run_dir
+    assert "checkpoints/step-20/dcp/__1_0.distcp" in runs.modes(fsdp_run)

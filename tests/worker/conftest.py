@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import RedisDBs
 from trainer.data import write_shard
 from trainer.events import Event, Keys
-from worker.message import TASK_NAME, JobMessage
+from worker.message import TASK_NAME, JobMessage, broker_queue
 
 TINY: dict[str, Any] = {
     "steps": 20,
@@ -64,6 +64,16 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, step: float = 0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(step)
+
+
+def wrong_modes(root: Path) -> dict[str, str]:
+    """What under ``root`` (itself included) is not a 0750 folder or a 0640 file."""
+    found = {}
+    for p in [root, *root.rglob("*")]:
+        mode = p.lstat().st_mode & 0o777
+        if mode != (0o750 if p.is_dir() else 0o640):
+            found[str(p.relative_to(root))] = oct(mode)
+    return found
 
 
 def run_processes(run_dir: Path) -> list[int]:
@@ -115,7 +125,7 @@ class Wire:
         self.sender = celery.Celery(broker=broker_url)
 
     def send(self, msg: JobMessage) -> None:
-        self.sender.send_task(TASK_NAME, args=[msg.to_json()], queue=msg.queue)
+        self.sender.send_task(TASK_NAME, args=[msg.to_json()], queue=broker_queue(msg.queue))
 
     def events(self, job_id: str) -> list[Event]:
         entries: list[Any] = self.r.xrange(self.keys.job(job_id))
@@ -154,7 +164,7 @@ class WorkerProc:
     """`python -m worker` as a child process, in its own session (so cleanup is exact)."""
 
     def __init__(self, env: dict[str, str], log_path: Path, wire: Wire, name: str,
-                 slots: int = 1, gpus: str | None = None) -> None:  # fmt: skip
+                 slots: int = 1, gpus: str | None = None, umask: int = -1) -> None:  # fmt: skip
         self.name = name
         self.wire = wire
         self.log_path = log_path
@@ -163,6 +173,7 @@ class WorkerProc:
             [sys.executable, "-m", "worker", "--queues", "cpu", "--slots", str(slots),
              "--hostname", name, *(["--gpus", gpus] if gpus else [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            umask=umask,  # -1: the test's own
         )  # fmt: skip
         try:
             wait_for(lambda: wire.worker_entry(name) or self.proc.poll() is not None, 60,
@@ -192,12 +203,28 @@ def broker_url(redis_dbs: RedisDBs) -> str:
     return redis_dbs.url(redis_dbs.claim())
 
 
+def _with_meta(folder: Path, vocab: int, top: int, rng: np.random.Generator) -> None:
+    """Shards of ids below ``top`` and the meta.json trainer.prepare writes, saying ``vocab``."""
+    train, val = rng.integers(0, top, 40_000), rng.integers(0, top, 4_000)
+    write_shard(folder / "train_000000.bin", train)
+    write_shard(folder / "val_000000.bin", val)
+    meta = {"out": str(folder), "tokenizer": "tokenizer.json", "vocab_size": vocab,
+            "train_tokens": train.size, "val_tokens": val.size, "train_shards": 1,
+            "val_shards": 1}  # fmt: skip
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny``: bytes, as the debug model's vocab of 256 wants them. ``gpt2``: GPT-2's
+    vocab (50257) by its meta.json. ``stale``: ids up to 299 under a meta.json that says
+    256 (a dataset rewritten by hand), so only the first forward pass finds them."""
     root = tmp_path_factory.mktemp("data")
     rng = np.random.default_rng(0)
     write_shard(root / "tiny" / "train_000.bin", rng.integers(0, 256, 40_000))
     write_shard(root / "tiny" / "val_000.bin", rng.integers(0, 256, 4_000))
+    _with_meta(root / "gpt2", 50257, 50257, rng)
+    _with_meta(root / "stale", 256, 300, rng)
     return root
 
 
@@ -246,10 +273,23 @@ def start_worker(
     started: list[WorkerProc] = []
 
     def start(
-        name: str = "w1", slots: int = 1, gpus: str | None = None, **settings: Any
+        name: str = "w1",
+        slots: int = 1,
+        gpus: str | None = None,
+        *,
+        env: dict[str, str | None] | None = None,
+        umask: int = -1,
+        **settings: Any,
     ) -> WorkerProc:
-        env = worker_env(redis_url, broker_url, **settings)
-        w = WorkerProc(env, tmp_path / f"{name}.log", wire, name, slots, gpus)
+        """A worker; ``env`` sets (or, with None, removes) variables of its environment
+        beyond the TRAINQ_* ``settings``; ``umask`` is the one it starts with."""
+        full = worker_env(redis_url, broker_url, **settings)
+        for key, value in (env or {}).items():
+            if value is None:
+                full.pop(key, None)
+            else:
+                full[key] = value
+        w = WorkerProc(full, tmp_path / f"{name}.log", wire, name, slots, gpus, umask)
         started.append(w)
         return w
 

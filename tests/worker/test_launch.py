@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from worker.launch import build_env, build_guard_argv, build_torchrun_argv, safe_job_id
+from worker.launch import (
+    ENV_LIBRARY,
+    build_env,
+    build_guard_argv,
+    build_torchrun_argv,
+    omp_threads,
+    safe_job_id,
+)
 from worker.supervise import write_run_config
 
 
@@ -73,29 +80,47 @@ def test_env_is_allow_listed() -> None:
         "OMP_NUM_THREADS": "1",
         "NCCL_DEBUG": "INFO",
         "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
         "TRAINQ_BROKER_URL": "redis://secret@broker/1",
         "AWS_SECRET_ACCESS_KEY": "x",
         "TRAINQ_DATABASE_URL": "postgresql://u:p@db/x",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+        # Unknown names of the families: a prefix would have passed them.
+        "TORCH_FOO": "secret-torch",
+        "NCCL_BAR": "secret-nccl",
+        "CUDA_BAZ": "secret-cuda",
     }
     env = build_env(parent, gpus=(2, 3), redis_url="redis://r/0", redis_prefix="tq",
-                    job_id="j1", attempt=3)  # fmt: skip
+                    job_id="j1", attempt=3, threads=4)  # fmt: skip
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["TRAINQ_REDIS_URL"] == "redis://r/0" and env["TRAINQ_REDIS_PREFIX"] == "tq"
     assert env["TRAINQ_JOB_ID"] == "j1" and env["TRAINQ_ATTEMPT"] == "3"
     assert env["NCCL_DEBUG"] == "INFO" and env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     for k in ("PATH", "PYTHONPATH", "HOME", "LANG", "OMP_NUM_THREADS"):
-        assert env[k] == parent[k]
+        assert env[k] == parent[k]  # OMP_NUM_THREADS set on the worker wins over threads
     assert "TRAINQ_BROKER_URL" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert "TRAINQ_DATABASE_URL" not in env
+    assert {"TORCH_FOO", "NCCL_BAR", "CUDA_BAZ"}.isdisjoint(env)
     assert not any("secret" in v or "u:p@" in v for v in env.values())
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # restarts need a fresh store
+    assert "CUDA_VISIBLE_DEVICES" not in ENV_LIBRARY and len(set(ENV_LIBRARY)) == len(ENV_LIBRARY)
 
 
 def test_cpu_slot_hides_all_gpus() -> None:
     env = build_env({"CUDA_VISIBLE_DEVICES": "0"}, gpus=None, redis_url="r", redis_prefix="p",
-                    job_id="j", attempt=1)  # fmt: skip
+                    job_id="j", attempt=1, threads=1)  # fmt: skip
     assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_ranks_get_their_share_of_the_slots_cpus() -> None:
+    """OMP_NUM_THREADS is always set (torchrun prints a banner into every run's log when it
+    is not): the slot's share of the CPUs, split among its ranks, and at least one."""
+    assert [omp_threads(32, 2, 4), omp_threads(32, 1, 8), omp_threads(2, 1, 2)] == [4, 4, 1]
+    assert [omp_threads(2, 4, 2), omp_threads(3, 1, 2), omp_threads(1, 1, 1)] == [1, 1, 1]
+    env = build_env({}, gpus=None, redis_url="r", redis_prefix="p", job_id="j", attempt=1,
+                    threads=omp_threads(32, 2, 4))  # fmt: skip
+    assert env["OMP_NUM_THREADS"] == "4"
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,15 @@ def test_success_and_worker_stops() -> None:
         "by request",
     )
     assert _classify(-9, stop_reason="timeout", stop_message="late")[:2] == (-9, "timeout")
+
+
+def test_a_stop_the_worker_asked_for_records_the_signal_it_sent() -> None:
+    """Not torchrun's 1 after a SIGTERM, which reads as a failure of the run."""
+    for reason in ("cancelled", "preempted", "timeout"):
+        stopped = _classify(1, stop_reason=reason, stop_message="m", stop_signal=15)
+        assert stopped == (-15, reason, "m")
+    # The grace ran out: SIGKILL followed.
+    assert _classify(1, stop_reason="cancelled", stop_message="m", stop_signal=9)[0] == -9
     # SIGTERM from outside the worker: the trainer checkpoints, says so, and exits 0.
     info = {"reason": "preempted", "message": "preempted, checkpoint saved at step 9"}
     assert _classify(0, exit_info=info)[1:] == ("preempted", info["message"])
@@ -63,6 +72,44 @@ def test_other_failures_quote_the_last_lines() -> None:
     assert "local rank 1 killed by signal 9 (SIGKILL)" in message
     assert message.endswith("boom\nTraceback")
     assert _classify(3)[1:] == ("exit_code", "torchrun exited with exit code 3")
+
+
+def test_a_ranks_own_error_is_the_message() -> None:
+    """The trainer's record of an uncaught exception, not torchrun's report and log tail."""
+    crash = {"reason": "exit_code", "message": "IndexError: index out of range in self",
+             "rank": 1, "step": 1, "exit_code": 1}  # fmt: skip
+    exited = [s.replace("75", "1") for s in SUMMARY]
+    assert _classify(1, exit_info=crash, agent_lines=exited, tail=["ChildFailedError"]) == (
+        1,
+        "exit_code",
+        "IndexError: index out of range in self (rank 1, step 1)",
+    )
+    # A rank killed by a signal records nothing; the others fail after it, in a collective.
+    gone = {**crash, "message": "RuntimeError: Connection closed by peer", "rank": 0}
+    killed = [*[s.replace("75", "-9") for s in SUMMARY], SUMMARY[0].replace("75", "1")]
+    _, reason, message = _classify(1, exit_info=gone, agent_lines=killed, tail=["last"])
+    assert reason == "exit_code" and message == (
+        "torchrun exited with code 1: local rank 1 killed by signal 9 (SIGKILL); then "
+        "RuntimeError: Connection closed by peer (rank 0, step 1); last lines:\nlast"
+    )
+
+
+def test_a_signal_death_is_the_root_cause_whatever_torchrun_names_first() -> None:
+    """torchrun's first failure is by whole-second timestamps: a rank that failed because
+    its peer was killed may be named first (trainer.torchrun prints one line per rank)."""
+    lines = [
+        "failed (exitcode: 1) local_rank: 0 (pid: 10) of binary: /py",
+        "trainer.torchrun: rank 0 (local_rank: 0) failed with exitcode: 1",
+        "trainer.torchrun: rank 1 (local_rank: 1) failed with exitcode: -9 (SIGKILL)",
+    ]
+    assert rank_exit_code(lines) == (-9, 1)
+    assert rank_exit_code(lines[:2]) == (1, 0)
+    # SIGTERM is what torchrun sends the ranks left after a failure: never the cause.
+    stopped = ["trainer.torchrun: rank 1 (local_rank: 1) failed with exitcode: -15 (SIGTERM)"]
+    assert rank_exit_code([*stopped, lines[1]]) == (1, 0)
+    assert rank_exit_code(stopped) == (-15, 1)
+    crash = {"reason": "exit_code", "message": "IndexError: x", "rank": 1, "step": 1}
+    assert _classify(1, exit_info=crash, agent_lines=stopped)[2] == "IndexError: x (rank 1, step 1)"
 
 
 def test_read_exit_json(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.worker.conftest import (
     run_processes,
     tiny,
     wait_for,
+    wrong_modes,
 )
 from trainer.config import TrainConfig
 
@@ -105,7 +107,12 @@ def test_cancel_mid_run_stops_every_process(
     start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
 ) -> None:
     # GPU ids on a CPU host: the ranks only see CUDA_VISIBLE_DEVICES, which is the point.
-    start_worker("w1", gpus="3,5")
+    # Library variables pass by name: unknown ones of the same families stay behind.
+    extra = {"TORCH_FOO": "1", "NCCL_BAR": "1", "NCCL_DEBUG": "WARN",
+             "TORCH_SHOW_CPP_STACKTRACES": "1"}  # fmt: skip
+    # The ranks' own Redis URL (a scoped ACL user in a deployment): another spelling here.
+    rank_url = wire.url.replace("127.0.0.1", "localhost")
+    start_worker("w1", gpus="3,5", env=extra, rank_redis_url=rank_url)
     job = new_job()
     wire.send(message(job, train=tiny(steps=100_000, checkpoint={"every": 0, "keep": 1})))
     wait_for(lambda: len(wire.metrics(job)) >= 3, 60, "training to start")
@@ -116,7 +123,10 @@ def test_cancel_mid_run_stops_every_process(
     env = proc_env(pid)  # what user code actually sees: the allow-list, nothing more
     assert env["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert (env["TRAINQ_JOB_ID"], env["TRAINQ_ATTEMPT"]) == (job, "1")
-    assert env["TRAINQ_REDIS_URL"] == wire.url
+    assert env["TRAINQ_REDIS_URL"] == rank_url
+    assert (env["NCCL_DEBUG"], env["TORCH_SHOW_CPP_STACKTRACES"]) == ("WARN", "1")
+    assert "TORCH_FOO" not in env and "NCCL_BAR" not in env
+    assert env["OMP_NUM_THREADS"] == "1"  # the test env's: a worker's own setting wins
     leaked = {k for k in env if k.startswith("TRAINQ_")} - {
         "TRAINQ_REDIS_URL", "TRAINQ_REDIS_PREFIX", "TRAINQ_JOB_ID", "TRAINQ_ATTEMPT",
     }  # fmt: skip
@@ -125,6 +135,7 @@ def test_cancel_mid_run_stops_every_process(
     wire.cancel(job)
     done = wire.exited(job, 1, timeout=30)
     assert done["reason"] == "cancelled" and done["message"] == "cancelled by request"
+    assert done["exit_code"] == -15, "the SIGTERM the worker sent, not torchrun's 1"
     assert time.monotonic() - t0 < 15, "SIGTERM should have been enough"
     assert run_processes(run_dir) == []
     # SIGTERM (not SIGKILL) reached the ranks: they saved a checkpoint on the way out.
@@ -152,7 +163,73 @@ def test_deadline_ends_the_run_with_timeout(
     wire.send(message(job, max_runtime_s=8, train=tiny(steps=100_000)))
     done = wire.exited(job, 1, timeout=60)
     assert done["reason"] == "timeout" and "max_runtime_s=8" in done["message"]
+    assert done["exit_code"] == -15
     assert run_processes(runs_root / job) == []
     running_at = next(e.ts for e in wire.events(job) if e.kind == "lifecycle")
     exited_at = [e.ts for e in wire.events(job) if e.kind == "lifecycle"][-1]
     assert 8 <= exited_at - running_at < 8 + 15 + 5
+
+
+def test_token_ids_past_the_model_vocab_are_a_spec_error_before_any_process_group(
+    start_worker: Callable[..., WorkerProc], wire: Wire
+) -> None:
+    """Not torchrun's ChildFailedError around an IndexError from the first forward pass."""
+    start_worker("w1")
+    job = new_job()
+    wire.send(message(job, train=tiny(data={"path": "gpt2"})))
+    done = wire.exited(job, 1)
+    assert done["reason"] == "spec_error", done
+    assert done["message"] == (
+        "dataset 'gpt2' has vocab 50257 (max token id 50256) but model.vocab_size is 256; "
+        "set model.vocab_size to at least 50257 (rank 0)"
+    )
+    lines = [ln["line"] for ln in wire.log_lines(job)]
+    # No rank built a model ("N parameters, ddp x2"), none failed inside torch.
+    assert not any(
+        "parameters," in ln or "IndexError" in ln or "ChildFailedError" in ln for ln in lines
+    ), lines
+
+
+def test_a_crashing_rank_reports_its_own_error_line(
+    start_worker: Callable[..., WorkerProc], wire: Wire
+) -> None:
+    """The attempt's message is the trainer's last error line, and the log has neither
+    torchrun's OMP_NUM_THREADS banner (the worker sets it; here the worker itself has none)
+    nor its ChildFailedError box after the rank's traceback."""
+    start_worker("w1", env={"OMP_NUM_THREADS": None})
+    job = new_job()
+    wire.send(message(job, train=tiny(data={"path": "stale"})))
+    done = wire.exited(job, 1)
+    assert (done["reason"], done["exit_code"]) == ("exit_code", 1), done
+    assert re.fullmatch(
+        r"IndexError: index out of range in self \(rank [01], step 1\)", done["message"]
+    ), done["message"]
+    lines = wire.log_lines(job)
+    text = [ln["line"] for ln in lines]
+    assert any(t.endswith("IndexError: index out of range in self") for t in text), text
+    assert not any("OMP_NUM_THREADS" in t or "ChildFailedError" in t for t in text), text
+    agent = [ln["line"] for ln in lines if ln["rank"] is None]
+    assert re.fullmatch(
+        r"trainer\.torchrun: rank [01] \(local_rank: [01]\) failed with exitcode: 1", agent[-1]
+    ), agent[-8:]
+
+
+def test_run_folder_is_group_readable_at_most(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path
+) -> None:
+    """A worker started with umask 0 still leaves folders 0750 and files 0640: its own
+    config.json, torchrun's logs, the ranks' metrics, TensorBoard files and checkpoints
+    (through their temporary folder, FSDP's DCP shards)."""
+    start_worker("w1", umask=0)
+    job = new_job()
+    train = tiny(strategy="fsdp", steps=4, checkpoint={"every": 2, "keep": 2})
+    wire.send(message(job, train=train))
+    done = wire.exited(job, 1)
+    assert done["reason"] is None, done
+    run_dir = runs_root / job
+    files = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
+    assert {"config.json", "metrics.jsonl", "checkpoints/step-2/DONE",
+            "checkpoints/step-4/dcp/__1_0.distcp"} <= files, files  # fmt: skip
+    assert any(f.startswith("logs/") and f.endswith("/stderr.log") for f in files), files
+    assert any(f.startswith("tb/events.") for f in files), files
+    assert wrong_modes(run_dir) == {}
