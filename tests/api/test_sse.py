@@ -305,3 +305,38 @@ def test_a_stream_ends_at_its_maximum_lifetime(
         reader.join(5)
     assert lines[0].startswith("STATUS 200")
     assert api.get(job["id"])["status"] in ("queued", "running")  # ended by age, not the job
+
+
+def test_sse_tail_replays_only_the_newest_events(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    app = create_app(
+        make_settings(redis_prefix=api.settings.redis_prefix, ingest=True, ingest_block_ms=100)
+    )
+    make_tokens(app.state.services)
+    job = api.submit()
+    w = sim(job["id"])
+    w.running()
+    for step in range(1, 11):
+        w.metric(step)
+    w.exited(0)
+    r = api.services.redis
+    key = api.keys.job(job["id"])
+
+    def ended() -> bool:  # the ingestor has written the final status into the stream
+        last = Event.from_fields(r.xrevrange(key, count=1)[0][1])
+        return last.kind == "status" and last.data.get("status") == "succeeded"
+
+    with Uvicorn(app) as server:
+        for _ in range(200):
+            if ended():
+                break
+            threading.Event().wait(0.05)
+        assert ended()
+        entries = r.xrange(key)
+        lines: list[str] = []
+        url = f"{server.url}/v1/jobs/{job['id']}/events?tail=3"
+        _read_sse(url, api.headers(), lines, threading.Event())
+    got = [e["id"] for e in _parse(lines[1:]) if "id" in e]
+    assert len(entries) > 10
+    assert got == [e[0].decode() for e in entries[-3:]], (got, len(entries))

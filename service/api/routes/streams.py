@@ -100,6 +100,10 @@ async def _guarded(
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
+def _entry_text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _tick_s(services: Services) -> float:
     """How often a quiet stream wakes for its checks."""
     settings = services.settings
@@ -253,10 +257,20 @@ async def job_events(
     services: ServicesDep,
     principal: PrincipalDep,
     last_event_id: Annotated[str | None, Header(max_length=64)] = None,
+    tail: Annotated[
+        int | None,
+        Query(ge=0, le=100_000, description="replay only the last N events (no Last-Event-ID)"),
+    ] = None,
 ) -> StreamingResponse:
     """Server-Sent Events of a job; the id is the Redis entry id, so Last-Event-ID resumes."""
     await run_in_threadpool(_require, services, principal, job_id)
     cursor = last_event_id if last_event_id and is_entry_id(last_event_id) else "0-0"
+    if tail is not None and cursor == "0-0":
+        # Start after the entry N+1 from the end: a page opens a long job with the recent
+        # events, its history from the metrics and logs routes.
+        newest = await services.aredis.xrevrange(services.keys.job(job_id), count=tail + 1)
+        if len(newest) == tail + 1:
+            cursor = _entry_text(newest[-1][0])
     follower = await _follow(request, services, principal, job_id, cursor)
     return StreamingResponse(
         _guarded(request, services, sse_events(follower, _tick_s(services)), sse=True),

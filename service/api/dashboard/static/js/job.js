@@ -11,6 +11,7 @@ import { follow } from "./sse.js";
 export const HISTORY_POINTS = 2000;
 const REFRESH_MS = 3000;
 const MAX_LIVE_STEPS = 50_000; // steps seen on the stream, kept for tests (a bounded list)
+const STREAM_TAIL = 2000; // events replayed when the page opens (logs pane: its last lines)
 
 // SSE data is the event's payload plus {attempt, source, ts} (service/sse.py).
 function payloadOf(ev) {
@@ -279,9 +280,11 @@ export function mountJob(view, state, jobId, { points = HISTORY_POINTS } = {}) {
   });
 
   refreshLoop();
-  // History first, then the stream: the stream replays what the history holds, and
-  // onEvent skips those points (it needs js.historyLast for that).
-  loadHistory().then(() => follow(`/v1/jobs/${encodeURIComponent(jobId)}/events`, onEvent, {
+  // History first, then the stream: the stream replays its last STREAM_TAIL events (not
+  // the whole stream: a long job's would be thousands), and onEvent skips the points the
+  // history holds (it needs js.historyLast for that).
+  const events = `/v1/jobs/${encodeURIComponent(jobId)}/events?tail=${STREAM_TAIL}`;
+  loadHistory().then(() => follow(events, onEvent, {
     signal,
     stats: js.stream,
     onState: (s) => {

@@ -1,5 +1,5 @@
-// The logs pane: log events from the job's SSE stream, which starts at the stream's oldest
-// entry (the last lines of the run) and then follows.
+// The logs pane: log events from the job's SSE stream, which replays its last events
+// (job.js STREAM_TAIL: the last lines of the run) and then follows.
 
 import { el } from "./format.js";
 
