@@ -10,23 +10,31 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 __all__ = [
+    "AnyModelConfig",
     "BatchConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "FSDPConfig",
+    "HFModelConfig",
+    "InitConfig",
+    "LlamaConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
@@ -46,6 +54,9 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
+    """``family: gpt``: trainq's GPT (trainer/model.py), the default when no family is named."""
+
+    family: Literal["gpt"] = "gpt"
     n_layer: int = Field(2, ge=1, le=128)
     n_head: int = Field(2, ge=1, le=256)
     d_model: int = Field(64, ge=8, le=32768)
@@ -60,6 +71,82 @@ class ModelConfig(_Strict):
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
         return self
+
+
+class LlamaConfig(_Strict):
+    """``family: llama``: a Llama-style decoder (trainer/llama.py): RMSNorm, rotary position
+    embeddings, SwiGLU MLP, grouped-query attention, no biases."""
+
+    family: Literal["llama"]
+    n_layer: int = Field(2, ge=1, le=256)
+    n_head: int = Field(4, ge=1, le=256)
+    # Key/value heads (grouped-query attention); None: as many as n_head.
+    n_kv_head: int | None = Field(None, ge=1, le=256)
+    d_model: int = Field(64, ge=8, le=65536)
+    seq_len: int = Field(64, ge=2, le=131072)
+    vocab_size: int = Field(256, ge=2, le=1_048_576)
+    # The SwiGLU hidden width; None: Llama's 8/3 * d_model rounded up to multiple_of.
+    ffn_hidden: int | None = Field(None, ge=1, le=1_048_576)
+    multiple_of: int = Field(32, ge=1, le=4096)
+    rope_theta: float = Field(10000.0, gt=0, le=1e9)
+    norm_eps: float = Field(1e-5, gt=0, le=0.1)
+    tie_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _heads(self) -> LlamaConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(
+                f"head size d_model/n_head ({self.d_model // self.n_head}) must be even (rotary)"
+            )
+        if self.n_head % self.kv_heads:
+            raise ValueError(
+                f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        h = int(2 * 4 * self.d_model / 3)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+
+class HFModelConfig(_Strict):
+    """``family: hf``: any causal language model ``transformers`` builds from a local folder
+    (trainer/hfmodel.py). ``from_pretrained`` semantics: a folder with weights starts from
+    them (fine-tuning); a folder with only ``config.json`` starts from fresh weights drawn
+    from the seed. Needs the ``hf`` extra on the worker (``pip install 'trainq[hf]'``)."""
+
+    family: Literal["hf"]
+    # The folder, relative to the data root (the same escape rules as data.path).
+    path: str = Field(min_length=1, max_length=1024)
+    seq_len: int = Field(1024, ge=2, le=131072)
+
+    _no_nul = field_validator("path")(lambda v: reject_nul(v))
+
+
+def _family(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("family", "gpt"))
+    return str(getattr(value, "family", "gpt"))
+
+
+# The model a job trains, by family; a spec without ``family`` is a GPT (the first family).
+AnyModelConfig = Annotated[
+    Annotated[ModelConfig, Tag("gpt")]
+    | Annotated[LlamaConfig, Tag("llama")]
+    | Annotated[HFModelConfig, Tag("hf")],
+    Discriminator(_family),
+]
 
 
 def reject_nul(value: str) -> str:
@@ -98,6 +185,48 @@ class EvalConfig(_Strict):
     steps: int = Field(5, ge=1, le=100_000)
 
 
+class InitConfig(_Strict):
+    """Start from weights instead of drawing them (fine-tuning): a Hugging Face folder under
+    the data root (``path``), or another trainq job's checkpoint (``job``, its ``step`` or
+    its latest). The step counter, optimizer and data position start fresh."""
+
+    path: str | None = Field(None, min_length=1, max_length=1024)
+    job: str | None = Field(None, pattern=r"^[0-9a-f]{1,32}$")
+    step: int | None = Field(None, ge=1)
+
+    _no_nul = field_validator("path")(lambda v: v if v is None else reject_nul(v))
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InitConfig:
+        if (self.path is None) == (self.job is None):
+            raise ValueError("init names exactly one of path (a Hugging Face folder) or job")
+        if self.step is not None and self.job is None:
+            raise ValueError("init.step goes with init.job")
+        return self
+
+
+class LoraConfig(_Strict):
+    """Low-rank adapters: the base weights frozen, ``W x + (alpha/rank) B A x`` trained for
+    each linear whose name ends with one of ``targets`` (default: the attention
+    projections of the family: wq/wk/wv/wo, qkv/proj for gpt, q/k/v/o_proj for hf)."""
+
+    rank: int = Field(8, ge=1, le=1024)
+    alpha: float = Field(16.0, gt=0, le=4096)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] | None = Field(None, min_length=1, max_length=64)
+
+
+class FSDPConfig(_Strict):
+    """FSDP2's memory choices (strategy fsdp only)."""
+
+    # Free each block's gathered parameters after its forward (re-gathered for backward):
+    # ZeRO-3's memory; False keeps them until backward (ZeRO-2's), trading memory for a gather.
+    reshard_after_forward: bool = True
+    # Parameters, gradients and optimizer state live in CPU memory, copied to the device per
+    # block: the native counterpart of ZeRO-Offload (slower; for models that do not fit).
+    cpu_offload: bool = False
+
+
 class CheckpointConfig(_Strict):
     every: int = Field(50, ge=0, le=10_000_000)  # 0: only at the end and on SIGTERM
     keep: int = Field(2, ge=1, le=1000)
@@ -108,7 +237,7 @@ class TrainConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     steps: int = Field(200, ge=1, le=100_000_000)
     seed: int = Field(42, ge=0, le=2**32 - 1)
-    model: ModelConfig = ModelConfig()
+    model: AnyModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     batch: BatchConfig = BatchConfig()
     optim: OptimConfig = OptimConfig()
@@ -116,6 +245,12 @@ class TrainConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log_every: int = Field(1, ge=1, le=1_000_000)
     compile: bool = False
+    # Recompute activations in backward instead of keeping them: every block (full), or
+    # every second block (selective, torchtitan's layer-wise option); numerically the same.
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    fsdp: FSDPConfig = FSDPConfig()
+    init: InitConfig | None = None
+    lora: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _fp16_needs_ddp(self) -> TrainConfig:
@@ -124,6 +259,8 @@ class TrainConfig(_Strict):
         # host that runs the job can tell.)
         if self.precision == "fp16" and self.strategy == "fsdp":
             raise ValueError("precision fp16 works with strategy ddp only; use bf16 with fsdp")
+        if self.strategy != "fsdp" and self.fsdp != FSDPConfig():
+            raise ValueError("fsdp options (cpu_offload, reshard_after_forward) need strategy fsdp")
         return self
 
     @property

@@ -32,9 +32,9 @@ from typing import Any, Literal
 import torch
 
 from trainer.checkpoint import latest_checkpoint
-from trainer.config import ConfigError, ModelConfig, load_config
+from trainer.config import AnyModelConfig, ConfigError, load_config
 from trainer.files import FILE_MODE, UMASK, make_dirs
-from trainer.model import GPT
+from trainer.models import build_model, model_config
 
 __all__ = ["ExportError", "export", "load_model"]
 
@@ -46,11 +46,11 @@ class ExportError(Exception):
     """Nothing to export, or an export that does not reproduce the model; one line."""
 
 
-def _model_config(checkpoint: Path, meta: dict[str, Any], config: Path | None) -> ModelConfig:
+def _model_config(checkpoint: Path, meta: dict[str, Any], config: Path | None) -> AnyModelConfig:
     if config is not None:
         return load_config(config).model
     if "model" in meta:
-        return ModelConfig.model_validate(meta["model"])
+        return model_config(meta["model"])
     fallback = checkpoint.parent.parent / "config.json"
     if fallback.is_file():
         return load_config(fallback).model
@@ -60,8 +60,8 @@ def _model_config(checkpoint: Path, meta: dict[str, Any], config: Path | None) -
 
 def load_model(
     run_dir: Path, checkpoint: Path | None = None, config: Path | None = None
-) -> tuple[GPT, int]:
-    """The checkpointed GPT on the CPU in eval mode, and its step."""
+) -> tuple[Any, int]:
+    """The checkpointed model (any family) on the CPU in eval mode, and its step."""
     path = checkpoint or latest_checkpoint(run_dir)
     if path is None:
         raise ExportError(f"no complete checkpoint in {run_dir / 'checkpoints'}")
@@ -69,13 +69,14 @@ def load_model(
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as exc:
         raise ExportError(f"{path} is not a checkpoint: {exc}") from exc
-    model = GPT(_model_config(path, meta, config))
+    model: Any = build_model(_model_config(path, meta, config))
     try:
         if meta["strategy"] == "fsdp":
             import torch.distributed.checkpoint as dcp
 
-            # The tied head is the embedding: DCP stores it once, under wte.
-            state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+            # A tied head is the embedding: DCP stores it once, under the embedding's name.
+            own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+            state = {k: v for k, v in model.state_dict().items() if k in own}
             with warnings.catch_warnings():  # it warns of no process group even when asked
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 dcp.load({"model": state}, checkpoint_id=path / "dcp", no_dist=True)
@@ -89,12 +90,12 @@ def load_model(
     return model.eval(), int(meta["step"])
 
 
-def _sample(cfg: ModelConfig, batch: int, seq: int) -> torch.Tensor:
+def _sample(cfg: AnyModelConfig, batch: int, seq: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, cfg.vocab_size, (batch, min(seq, cfg.seq_len)), generator=gen)
 
 
-def export(model: GPT, out: Path, fmt: Format) -> float:
+def export(model: Any, out: Path, fmt: Format) -> float:
     """Write ``out``; the largest absolute logit difference of the file against ``model``
     on a batch of another shape than the one traced (so the dynamic dims are exercised)."""
     from torch.export import Dim

@@ -1,4 +1,5 @@
-"""Processes and parallelism: the process group, DDP, FSDP2 and compile, torchtitan's names.
+"""Processes and parallelism: the process group, DDP, FSDP2, activation checkpointing and
+compile, torchtitan's names.
 
 `init_distributed` turns the torchrun environment (read by `trainer.env.read_env`) into a
 device and a process group: gloo on CPU, nccl on CUDA with the rank's own device. The
@@ -17,15 +18,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from trainer.env import TrainerEnv
-from trainer.model import GPT
 
 __all__ = [
     "all_reduce_sum",
+    "apply_ac",
     "apply_compile",
     "apply_ddp",
     "apply_fsdp",
@@ -76,9 +84,38 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def apply_compile(model: GPT) -> None:
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: every family keeps them in ``blocks``."""
+    blocks = model.blocks
+    assert isinstance(blocks, nn.ModuleList), f"{type(model).__name__}.blocks is not a ModuleList"
+    return blocks
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Activation checkpointing per block (torchtitan's ``apply_ac``), before FSDP and
+    compile: a checkpointed block keeps only its input and recomputes its activations in
+    backward. ``full``: every block; ``selective``: every second one (about half the
+    activation memory saved for about half the recompute); ``none``: nothing.
+
+    The block's own ``forward`` is wrapped in place rather than the block in a wrapper
+    module, so parameter names, state dicts and checkpoints are the same either way.
+    Non-reentrant checkpointing: it works under FSDP2's hooks and with frozen parameters.
+    """
+    if mode == "none":
+        return
+    for i, block in enumerate(_blocks(model)):
+        if mode == "full" or i % 2 == 0:
+            inner = block.forward
+
+            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+            block.forward = forward
+
+
+def apply_compile(model: nn.Module) -> None:
     """Compile each block in place (before DDP/FSDP wrap them), as torchtitan does."""
-    for block in model.blocks:
+    for block in _blocks(model):
         block.compile()
 
 
@@ -87,31 +124,54 @@ def apply_ddp(model: nn.Module, device: torch.device) -> DDP:
     return DDP(model, device_ids=ids)
 
 
-def apply_fsdp(model: GPT, param_dtype: torch.dtype | None = None) -> GPT:
+def apply_fsdp(
+    model: nn.Module,
+    param_dtype: torch.dtype | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
     """FSDP2: shard each block, then the root (embeddings, final norm, tied head).
 
     With ``param_dtype`` (bf16), parameters are gathered and computed in that dtype while
     the sharded master weights, and the gradient reduction, stay fp32.
+    ``reshard_after_forward=False`` keeps each block's gathered parameters from its forward
+    to its backward (one all-gather less per block, ZeRO-2's memory). ``cpu_offload`` keeps
+    the sharded parameters, their gradients and so the optimizer state in CPU memory and
+    copies each block's to the device for its compute (ZeRO-Offload's trade).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for block in _blocks(model):
+        fully_shard(
+            block,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward,
+        )
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
 
 
-def materialize_fsdp(model: GPT, device: torch.device, full_state: dict[str, Any] | None) -> None:
+def materialize_fsdp(
+    model: nn.Module,
+    device: torch.device,
+    full_state: dict[str, Any] | None,
+    *,
+    cpu_offload: bool = False,
+) -> None:
     """Allocate this rank's shards of a model built on the meta device and sharded by
     `apply_fsdp`, then fill them from rank 0's full state dict (``full_state``; None on the
     other ranks), broadcast shard by shard. No rank but 0 ever holds the whole model, and
-    rank 0 holds it on the CPU only: a model need not fit on one device to start."""
-    model.to_empty(device=device)
+    rank 0 holds it on the CPU only: a model need not fit on one device to start. With CPU
+    offload the shards live in CPU memory."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state or {}, options=options)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The GPT under a DDP wrapper (FSDP2 shards in place, so it is its own module)."""
+    """The model under a DDP wrapper (FSDP2 shards in place, so it is its own module)."""
     return model.module if isinstance(model, DDP) else model
 
 

@@ -32,9 +32,10 @@ from trainer.data import BatchSampler, DataError, TokenDataset, check_vocab
 from trainer.env import TrainerEnv, write_crash, write_exit_file
 from trainer.events import ExitCode
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
-from trainer.model import GPT
+from trainer.models import build_model
 from trainer.parallelize import (
     all_reduce_sum,
+    apply_ac,
     apply_compile,
     apply_ddp,
     apply_fsdp,
@@ -159,14 +160,25 @@ def _run(
     fsdp = env.distributed and cfg.strategy == "fsdp"
     gpt = _on_meta(cfg) if fsdp else _seeded_model(cfg).to(device)
     flops_per_token, n_params = gpt.flops_per_token(), gpt.num_params()
+    apply_ac(gpt, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(gpt)
     half = _DTYPES.get(cfg.precision)
     model: nn.Module = gpt
     if fsdp:
-        model = apply_fsdp(gpt, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+        # Offloading moves shards from an accelerator to CPU memory; a run on the CPU has
+        # them there already (and FSDP2's offload needs an accelerator to copy to).
+        offload = cfg.fsdp.cpu_offload and device.type != "cpu"
+        if cfg.fsdp.cpu_offload and not offload:
+            _say(env, "fsdp.cpu_offload: this run computes on the CPU; nothing to offload")
+        model = apply_fsdp(
+            gpt,
+            param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
+            reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            cpu_offload=offload,
+        )
         full = _seeded_model(cfg).state_dict() if env.is_main else None
-        materialize_fsdp(gpt, device, full)
+        materialize_fsdp(gpt, device, full, cpu_offload=offload)
         del full
     elif env.distributed:
         model = apply_ddp(gpt, device)
@@ -261,17 +273,17 @@ def _run(
     return ExitCode.OK
 
 
-def _on_meta(cfg: TrainConfig) -> GPT:
+def _on_meta(cfg: TrainConfig) -> Any:
     with torch.device("meta"):
-        return GPT(cfg.model)
+        return build_model(cfg.model)
 
 
-def _seeded_model(cfg: TrainConfig) -> GPT:
+def _seeded_model(cfg: TrainConfig) -> Any:
     """The model on the CPU with its weights drawn from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
-    gpt = GPT(cfg.model)
-    gpt.init_weights()
-    return gpt
+    model: Any = build_model(cfg.model)
+    model.init_weights()
+    return model
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from trainer.data import write_shard
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden") / "debug_model_losses.json"
+LLAMA_GOLDEN = Path(__file__).with_name("golden") / "llama_debug_losses.json"
 WORDS = [
     *("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"),
     *("and", "cat", "runs", "far", "away", "home"),
@@ -169,12 +170,14 @@ def golden_config() -> dict[str, Any]:
     return config(batch={"micro_batch_size": 8})
 
 
-def golden_run(tmp: Path, env: dict[str, str]) -> list[float]:
-    """Run the golden config in one process; its per-step losses, steps 1..20."""
-    write_corpus(tmp / "data")
-    code, out = run(golden_config(), tmp / "golden", tmp / "data", env, nproc=1)
+def golden_run(tmp: Path, env: dict[str, str], cfg: dict[str, Any] | None = None) -> list[float]:
+    """Run a golden config (the GPT's by default) in one process; its per-step losses."""
+    if not (tmp / "data").exists():
+        write_corpus(tmp / "data")
+    name = "golden" if cfg is None else f"golden-{cfg['model'].get('family', 'gpt')}"
+    code, out = run(cfg or golden_config(), tmp / name, tmp / "data", env, nproc=1)
     assert code == 0, out
-    got = losses(tmp / "golden")
+    got = losses(tmp / name)
     return [got[s] for s in sorted(got)]
 
 
