@@ -131,15 +131,8 @@ class Reconciler:
         with self.sessions() as session:
             rows = list(
                 session.execute(
-                    select(ATTEMPTS.c.job_id, ATTEMPTS.c.number, JOBS.c.queue, JOBS.c.nodes)
-                    .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
-                    .where(
-                        ATTEMPTS.c.status == "dispatched",
-                        ATTEMPTS.c.sent_at.is_not(None),
-                        ATTEMPTS.c.sent_at <= cutoff,
-                        JOBS.c.status == "queued",
-                        JOBS.c.attempt == ATTEMPTS.c.number,
-                    )
+                    _waiting(ATTEMPTS.c.job_id, ATTEMPTS.c.number, JOBS.c.queue, JOBS.c.nodes)
+                    .where(ATTEMPTS.c.sent_at.is_not(None), ATTEMPTS.c.sent_at <= cutoff)
                     .order_by(ATTEMPTS.c.id)
                     .limit(ORPHAN_WINDOW)
                 )
@@ -179,15 +172,8 @@ class Reconciler:
             pairs = [
                 (r.job_id, r.number)
                 for r in session.execute(
-                    select(ATTEMPTS.c.job_id, ATTEMPTS.c.number)
-                    .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
-                    .where(
-                        ATTEMPTS.c.status == "dispatched",
-                        ATTEMPTS.c.sent_at.is_(None),
-                        ATTEMPTS.c.created_at <= cutoff,
-                        JOBS.c.status == "queued",
-                        JOBS.c.attempt == ATTEMPTS.c.number,
-                    )
+                    _waiting(ATTEMPTS.c.job_id, ATTEMPTS.c.number)
+                    .where(ATTEMPTS.c.sent_at.is_(None), ATTEMPTS.c.created_at <= cutoff)
                     .order_by(ATTEMPTS.c.job_id)
                     .limit(1000)
                 )
@@ -313,6 +299,20 @@ class Reconciler:
     def close(self) -> None:
         if self._broker is not None:
             self._broker.close()
+
+
+def _waiting(*columns: Any) -> Any:
+    """SELECT ``columns`` of the attempts that wait for a worker: dispatched, and the current
+    attempt of a job that is still queued."""
+    return (
+        select(*columns)
+        .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
+        .where(
+            ATTEMPTS.c.status == "dispatched",
+            JOBS.c.status == "queued",
+            JOBS.c.attempt == ATTEMPTS.c.number,
+        )
+    )
 
 
 def _aware(value: Any) -> Any:

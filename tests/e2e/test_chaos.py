@@ -26,19 +26,16 @@ import pytest
 from service.local.embedded import redis_binary
 from tests.e2e.conftest import FAST_SETTINGS
 from tests.e2e.system import System, build_system, free_port, wait_for
+from tests.e2e.test_system import TRAIN as SYSTEM_TRAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 QUEUE = "chaos"
+# test_system's tiny run, one layer smaller: four of them train one after another here.
 TRAIN: dict[str, Any] = {
+    **SYSTEM_TRAIN,
     "seed": 3,
-    "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 256},
-    "data": {"path": "demo"},
-    "batch": {"micro_batch_size": 4},
-    "optim": {"lr": 1e-2, "warmup_steps": 2},
-    "eval": {"every": 0},
-    "checkpoint": {"every": 5, "keep": 2},
-    "log_every": 1,
+    "model": {**SYSTEM_TRAIN["model"], "n_layer": 1},
 }
 TERMINAL = ("succeeded", "failed", "cancelled")
 
