@@ -22,7 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import ConfigError, load_config, resolve_data_path
+from trainer.config import (
+    ConfigError,
+    load_config,
+    resolve_data_path,
+    resolve_init_path,
+    resolve_model_path,
+)
 from trainer.env import (
     EXIT_FILE,
     TrainerEnv,
@@ -107,6 +113,8 @@ def _main(args: argparse.Namespace, run_dir: Path, env: TrainerEnv) -> int:
     try:
         cfg = load_config(args.config)
         data_dir = resolve_data_path(cfg.data.path, args.data_root, allow_absolute=True)
+        model = resolve_model_path(cfg.model, args.data_root)
+        cfg = resolve_init_path(cfg.model_copy(update={"model": model}), args.data_root)
     except ConfigError as exc:
         return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc))
 

@@ -108,11 +108,12 @@ def save_checkpoint(
     world_size: int,
     keep: int,
     model_config: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> Path:
     """Save collectively (every rank calls this at the same step); returns the final path.
 
-    ``model_config`` goes into meta.json, so a checkpoint alone says what model it holds
-    (what `trainer.export` builds to read it)."""
+    ``model_config`` (and ``lora``, the adapters' config) go into meta.json, so a checkpoint
+    alone says what model it holds (what `trainer.export` builds to read it)."""
     root = run_dir / "checkpoints"
     tmp = root / f"tmp-step-{progress.step}"
     final = root / f"step-{progress.step}"
@@ -138,6 +139,8 @@ def save_checkpoint(
         }
         if model_config is not None:
             meta["model"] = model_config
+        if lora is not None:
+            meta["lora"] = lora
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     barrier()  # every rank's files are in tmp before it becomes a checkpoint
     if rank == 0:

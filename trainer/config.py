@@ -41,6 +41,8 @@ __all__ = [
     "load_config",
     "reject_nul",
     "resolve_data_path",
+    "resolve_init_path",
+    "resolve_model_path",
 ]
 
 
@@ -324,3 +326,27 @@ def resolve_data_path(
     if not resolved.is_relative_to(root_path):
         raise ConfigError(f"data.path {path!r} resolves outside the data root")
     return resolved
+
+
+def resolve_model_path(
+    cfg: AnyModelConfig, data_root: str | os.PathLike[str] | None
+) -> AnyModelConfig:
+    """An ``hf`` config with its folder resolved against the data root (the escape rules of
+    data paths); other families as they are."""
+    if not isinstance(cfg, HFModelConfig):
+        return cfg
+    folder = resolve_data_path(cfg.path, data_root, allow_absolute=data_root is None)
+    if not folder.is_dir():
+        raise ConfigError(f"model.path {cfg.path!r} is not a folder under the data root")
+    return cfg.model_copy(update={"path": str(folder)})
+
+
+def resolve_init_path(cfg: TrainConfig, data_root: str | os.PathLike[str] | None) -> TrainConfig:
+    """``train.init.path`` resolved against the data root (the escape rules of data paths)."""
+    if cfg.init is None or cfg.init.path is None:
+        return cfg
+    try:
+        folder = resolve_data_path(cfg.init.path, data_root, allow_absolute=data_root is None)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("data.path", "init.path", 1)) from None
+    return cfg.model_copy(update={"init": cfg.init.model_copy(update={"path": str(folder)})})

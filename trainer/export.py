@@ -1,6 +1,7 @@
-"""Export a run's trained model for inference: ONNX, or a torch.export program (.pt2).
+"""Export a run's trained model for inference: ONNX, a torch.export program (.pt2), or a
+Hugging Face folder (hf).
 
-    python -m trainer.export --run-dir RUN --out model.onnx [--format onnx|pt2]
+    python -m trainer.export --run-dir RUN --out model.onnx [--format onnx|pt2|hf]
                              [--checkpoint RUN/checkpoints/step-N] [--config run.yaml]
 
 The weights come from the run's newest complete checkpoint (or ``--checkpoint``), whatever
@@ -11,6 +12,11 @@ config.json for checkpoints written before it carried one). The exported graph m
 ids ``tokens`` [batch, seq] (int64, seq <= model.seq_len) to ``logits`` [batch, seq, vocab],
 with batch and sequence length dynamic. Before returning, the file is loaded back (ONNX
 Runtime for .onnx, when installed) and its logits compared with the checkpointed model's.
+
+``--format hf`` writes ``--out`` as a folder (config.json, model.safetensors) that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``GPT2LMHeadModel`` for the gpt
+family, ``LlamaForCausalLM`` for llama (trainer.hf); it is loaded back with transformers and
+its logits compared the same way. It needs the ``hf`` extra (transformers, safetensors).
 
 The file is 0640 and a folder made for it 0750, whatever the umask (trainer.files).
 
@@ -32,18 +38,31 @@ from typing import Any, Literal
 import torch
 
 from trainer.checkpoint import latest_checkpoint
-from trainer.config import AnyModelConfig, ConfigError, load_config
+from trainer.config import AnyModelConfig, ConfigError, LoraConfig, load_config
 from trainer.files import FILE_MODE, UMASK, make_dirs
-from trainer.models import build_model, model_config
+from trainer.lora import apply_lora, merge_lora, targets_for
+from trainer.models import build_model, model_config, vocab_size
 
-__all__ = ["ExportError", "export", "load_model"]
+__all__ = ["ExportError", "checkpoint_config", "export", "load_model"]
 
-Format = Literal["onnx", "pt2"]
+Format = Literal["onnx", "pt2", "hf"]
 FORMATS: dict[str, Format] = {".onnx": "onnx", ".pt2": "pt2"}
+ATOL = 1e-4  # the largest absolute logit difference (fp32) an export may show
 
 
 class ExportError(Exception):
     """Nothing to export, or an export that does not reproduce the model; one line."""
+
+
+def checkpoint_config(
+    path: Path, config: Path | None = None
+) -> tuple[dict[str, Any], AnyModelConfig]:
+    """A checkpoint's meta.json and the config of the model it holds (read, nothing built)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path} is not a checkpoint: {exc}") from exc
+    return meta, _model_config(path, meta, config)
 
 
 def _model_config(checkpoint: Path, meta: dict[str, Any], config: Path | None) -> AnyModelConfig:
@@ -59,17 +78,22 @@ def _model_config(checkpoint: Path, meta: dict[str, Any], config: Path | None) -
 
 
 def load_model(
-    run_dir: Path, checkpoint: Path | None = None, config: Path | None = None
+    run_dir: Path,
+    checkpoint: Path | None = None,
+    config: Path | None = None,
+    *,
+    merge: bool = True,
 ) -> tuple[Any, int]:
-    """The checkpointed model (any family) on the CPU in eval mode, and its step."""
+    """The checkpointed model (any family) on the CPU in eval mode, and its step. A LoRA
+    run's adapters are merged into the base weights (``merge=False``: kept as adapters)."""
     path = checkpoint or latest_checkpoint(run_dir)
     if path is None:
         raise ExportError(f"no complete checkpoint in {run_dir / 'checkpoints'}")
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"{path} is not a checkpoint: {exc}") from exc
-    model: Any = build_model(_model_config(path, meta, config))
+    meta, model_cfg = checkpoint_config(path, config)
+    model: Any = build_model(model_cfg)
+    lora = LoraConfig.model_validate(meta["lora"]) if meta.get("lora") else None
+    if lora is not None:
+        apply_lora(model, lora, targets_for(model_cfg, lora))
     try:
         if meta["strategy"] == "fsdp":
             import torch.distributed.checkpoint as dcp
@@ -87,17 +111,24 @@ def load_model(
     except (RuntimeError, KeyError, ValueError, OSError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ExportError(f"checkpoint {path} does not fit its model config: {first}") from exc
+    if lora is not None and merge:
+        merge_lora(model)
     return model.eval(), int(meta["step"])
 
 
 def _sample(cfg: AnyModelConfig, batch: int, seq: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, cfg.vocab_size, (batch, min(seq, cfg.seq_len)), generator=gen)
+    return torch.randint(0, vocab_size(cfg), (batch, min(seq, cfg.seq_len)), generator=gen)
 
 
-def export(model: Any, out: Path, fmt: Format) -> float:
+def export(model: Any, out: Path, fmt: Format, *, atol: float = ATOL) -> float:
     """Write ``out``; the largest absolute logit difference of the file against ``model``
-    on a batch of another shape than the one traced (so the dynamic dims are exercised)."""
+    on a batch of another shape than the one traced (so the dynamic dims are exercised).
+    ``hf`` raises ExportError itself past ``atol``."""
+    if fmt == "hf":
+        from trainer.hf import write_hf
+
+        return write_hf(model, out, atol=atol)
     from torch.export import Dim
 
     cfg = model.cfg
@@ -140,18 +171,20 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m trainer.export", description=__doc__.splitlines()[0]
     )
     p.add_argument("--run-dir", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path, help="the file to write (.onnx or .pt2)")
-    p.add_argument("--format", choices=("onnx", "pt2"), help="default: from --out's suffix")
+    p.add_argument(
+        "--out", required=True, type=Path, help="the file to write (.onnx, .pt2) or folder (hf)"
+    )
+    p.add_argument("--format", choices=("onnx", "pt2", "hf"), help="default: from --out's suffix")
     p.add_argument("--checkpoint", type=Path, help="default: the newest complete one")
     p.add_argument("--config", type=Path, help="the run's config (for old checkpoints)")
-    p.add_argument("--atol", type=float, default=1e-4, help="largest logit difference allowed")
+    p.add_argument("--atol", type=float, default=ATOL, help="largest logit difference allowed")
     args = p.parse_args(argv)
     fmt = args.format or FORMATS.get(args.out.suffix.lower())
     if fmt is None:
-        p.error(f"--out {args.out}: name it .onnx or .pt2, or pass --format")
+        p.error(f"--out {args.out}: name it .onnx or .pt2, or pass --format (hf: a folder)")
     try:
         model, step = load_model(args.run_dir, args.checkpoint, args.config)
-        diff = export(model, args.out, fmt)
+        diff = export(model, args.out, fmt, atol=args.atol)
     except (ExportError, ConfigError) as exc:
         print(f"trainer.export: error: {exc}", file=sys.stderr)
         return 1

@@ -156,18 +156,32 @@ def apply_fsdp(
 def materialize_fsdp(
     model: nn.Module,
     device: torch.device,
-    full_state: dict[str, Any] | None,
+    full: nn.Module | None,
     *,
     cpu_offload: bool = False,
 ) -> None:
     """Allocate this rank's shards of a model built on the meta device and sharded by
-    `apply_fsdp`, then fill them from rank 0's full state dict (``full_state``; None on the
-    other ranks), broadcast shard by shard. No rank but 0 ever holds the whole model, and
+    `apply_fsdp`, then fill them from rank 0's full model (``full``, on the CPU; None on
+    the other ranks), broadcast shard by shard. No rank but 0 ever holds the whole model, and
     rank 0 holds it on the CPU only: a model need not fit on one device to start. With CPU
-    offload the shards live in CPU memory."""
+    offload the shards live in CPU memory.
+
+    Buffers are not in a state dict when they are non-persistent (a rotary embedding's
+    frequency table, say): ``to_empty`` leaves them uninitialized, so every buffer is
+    broadcast from rank 0's model too, whatever the family."""
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    if cpu_offload:  # parameters live on the host; buffers are used where compute runs
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state or {}, options=options)
+    set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
+    sources = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        if full is not None:
+            buf.copy_(sources[name])
+        dist.broadcast(buf, src=0)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

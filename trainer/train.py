@@ -31,8 +31,9 @@ from trainer.config import ConfigError, OptimConfig, TrainConfig
 from trainer.data import BatchSampler, DataError, TokenDataset, check_vocab
 from trainer.env import TrainerEnv, write_crash, write_exit_file
 from trainer.events import ExitCode
+from trainer.lora import apply_lora, init_lora, lora_param_count, targets_for
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
-from trainer.models import build_model
+from trainer.models import build_model, vocab_size
 from trainer.parallelize import (
     all_reduce_sum,
     apply_ac,
@@ -71,6 +72,8 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.AdamW:
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():  # the tied head appears once, as the embedding
+        if not p.requires_grad:
+            continue  # frozen (LoRA's base weights): no optimizer state at all
         (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": o.weight_decay},
@@ -117,7 +120,14 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
     train_data = TokenDataset(data_dir, "train", cfg.model.seq_len)
     val_data = TokenDataset(data_dir, "val", cfg.model.seq_len) if cfg.eval.every else None
     used = [train_data] if val_data is None else [train_data, val_data]
-    check_vocab(cfg.data.path, cfg.model.vocab_size, used)
+    check_vocab(cfg.data.path, vocab_size(cfg.model), used)
+    if cfg.init is not None:  # fine-tuning: the init weights must fit before any process group
+        from trainer.hf import check_init
+
+        for note in check_init(cfg, run_dir, None):  # init.path: resolved by __main__
+            _say(env, note)
+    if cfg.lora is not None:  # targets that match nothing: a spec_error before any group
+        _adapted(_on_meta(cfg), cfg)
     device = init_distributed(env)
     stop = StopFlag()
     stop.install()
@@ -158,8 +168,13 @@ def _run(
     # Weights are drawn from one seed on the CPU (rank 0's for FSDP): one process, DDP and
     # FSDP start identical. FSDP: build on meta, shard, then materialize the shards.
     fsdp = env.distributed and cfg.strategy == "fsdp"
-    gpt = _on_meta(cfg) if fsdp else _seeded_model(cfg).to(device)
+    gpt = _adapted(_on_meta(cfg), cfg) if fsdp else _adapted(_seeded_model(cfg, run_dir), cfg)
+    gpt = gpt if fsdp else gpt.to(device)
     flops_per_token, n_params = gpt.flops_per_token(), gpt.num_params()
+    if cfg.lora is not None:
+        trainable, total = lora_param_count(gpt)
+        _say(env, f"LoRA: {trainable:,} trainable of {total:,} parameters "
+                  f"({100 * trainable / total:.2f}%)")  # fmt: skip
     apply_ac(gpt, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(gpt)
@@ -177,9 +192,9 @@ def _run(
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             cpu_offload=offload,
         )
-        full = _seeded_model(cfg).state_dict() if env.is_main else None
-        materialize_fsdp(gpt, device, full, cpu_offload=offload)
-        del full
+        seeded = _adapted(_seeded_model(cfg, run_dir), cfg) if env.is_main else None
+        materialize_fsdp(gpt, device, seeded, cpu_offload=offload)
+        del seeded
     elif env.distributed:
         model = apply_ddp(gpt, device)
     torch.manual_seed(cfg.seed)  # every rank's generator in the same state, whoever drew
@@ -219,6 +234,7 @@ def _run(
             world_size=world,
             keep=cfg.checkpoint.keep,
             model_config=cfg.model.model_dump(),
+            lora=cfg.lora.model_dump() if cfg.lora is not None else None,
         )
 
     model.train()
@@ -273,16 +289,33 @@ def _run(
     return ExitCode.OK
 
 
+def _adapted(model: Any, cfg: TrainConfig) -> Any:
+    """With ``cfg.lora``: the adapters added (B at zero, A drawn from the RNG as it stands
+    after the base weights, the same on every rank) and everything else frozen."""
+    if cfg.lora is not None:
+        try:
+            apply_lora(model, cfg.lora, targets_for(cfg.model, cfg.lora))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        init_lora(model)
+    return model
+
+
 def _on_meta(cfg: TrainConfig) -> Any:
     with torch.device("meta"):
         return build_model(cfg.model)
 
 
-def _seeded_model(cfg: TrainConfig) -> Any:
-    """The model on the CPU with its weights drawn from ``cfg.seed``."""
+def _seeded_model(cfg: TrainConfig, run_dir: Path) -> Any:
+    """The model on the CPU with its weights drawn from ``cfg.seed``; fine-tuning
+    (``cfg.init``) then replaces them, unless the run resumes from a checkpoint of its own."""
     torch.manual_seed(cfg.seed)
     model: Any = build_model(cfg.model)
     model.init_weights()
+    if cfg.init is not None and latest_checkpoint(run_dir) is None:
+        from trainer.hf import load_init
+
+        load_init(model, cfg.init, None, run_dir)  # init.path: resolved by __main__
     return model
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, Tag
 
 from service.api.schemas import JobSpec
 from service.local.demo import demo_spec
@@ -18,15 +19,30 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
+def nested_models(ann: Any) -> list[tuple[str | None, type[BaseModel]]]:
+    """The models a field holds, with their tag: a model, ``Model | None`` (no tag), or a
+    discriminated union of tagged models (``train.model``: gpt, llama, hf)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [(None, ann)]
+    if get_origin(ann) is Annotated:
+        inner, *meta = get_args(ann)
+        tags = [m.tag for m in meta if isinstance(m, Tag)]
+        found = nested_models(inner)
+        return [(tags[0] if tags else tag, model) for tag, model in found]
+    if get_origin(ann) in (Union, UnionType):
+        return [pair for arg in get_args(ann) for pair in nested_models(arg)]
+    return []
+
+
 def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every field of a model as a dotted path, nested models included (train.optim.lr)."""
+    """Every field of a model as a dotted path, nested models included (train.optim.lr);
+    a family's fields under its tag, as a 422 names them (train.model.llama.n_kv_head)."""
     paths = []
     for name, info in model.model_fields.items():
         path = f"{prefix}{name}"
         paths.append(path)
-        ann: Any = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            paths.extend(field_paths(ann, path + "."))
+        for tag, nested in nested_models(info.annotation):
+            paths.extend(field_paths(nested, f"{path}.{tag}." if tag else path + "."))
     return paths
 
 
@@ -65,9 +81,20 @@ def _leaf(path: str) -> tuple[Any, Any]:
     """(annotation, FieldInfo) of a dotted path in JobSpec."""
     model: Any = JobSpec
     info: Any = None
-    for part in path.split("."):
-        info = model.model_fields[part]
+    parts = path.split(".")
+    i = 0
+    while i < len(parts):
+        info = model.model_fields[parts[i]]
         model = info.annotation
+        i += 1
+        nested = nested_models(model)
+        if i < len(parts) and nested:
+            tagged = dict(nested)
+            if parts[i] in tagged:  # a family's tag
+                model = tagged[parts[i]]
+                i += 1
+            else:
+                model = nested[0][1]
     return model, info
 
 
@@ -92,7 +119,7 @@ def test_readme_spec_reference_defaults_and_bounds_match_the_models() -> None:
     for path in field_paths(JobSpec):
         ann, info = _leaf(path)
         kind, default = table[path]
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
+        if nested_models(ann):
             assert kind.startswith("object"), path
             continue
         want = (
