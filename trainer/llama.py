@@ -64,11 +64,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head != self.n_head:  # each key/value head serves a group of queries
-            repeat = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Each key/value head serves a group of queries: SDPA's own GQA, no repeated copies.
+        gqa = self.n_kv_head != self.n_head
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
