@@ -28,17 +28,24 @@ all parameters, ``T`` the trainable ones, ``W`` the world size.
 - activations, per micro-batch (gradient accumulation runs them one after another). SDPA keeps
   no ``T x T`` matrix, only the softmax's logsumexp (``4*s*H``). One block keeps
 
-      gpt:   s * (4*2d         + a*(2d + 5q + 2h)) + 4*s*H
-      llama: s * (4*2d + 4*2d  + a*(2d + 5q + 4h)) + 4*s*H
+      gpt:   s * (4*2d         + a*(2d + 5q      + 2h)) + 4*s*H
+      llama: s * (4*2d + 4*2d  + a*(2d + 3q + 2k + 4h)) + 4*s*H
 
-  ``4*2d``: the fp32 residual stream into each of the two norms; ``2d``: the norms' outputs
-  (inputs of the next matmuls); ``5q``: q, k, v (after grouped-query repetition), the
-  attention output and its contiguous copy; gpt's ``2h``: the MLP's pre- and post-GELU;
-  llama's ``4h``: SwiGLU's w1 output, its silu, w3's output and their product; llama's second
-  ``4*2d``: torch's composite ``rms_norm`` also keeps each norm's normalized input in fp32.
-  A checkpointed block keeps only its input, ``4*s*d``. The head keeps the final norm's input
-  and output (``s*(4d + a*d)``, llama ``s*(8d + a*d)``) and, for the loss, ``3 * 4*s*V``: the
-  fp32 log-probabilities kept for backward and, when backward starts, the gradients of the
+  ``4*2d``: the fp32 residual stream into each of the two norms; ``2d``: the norms' outputs,
+  the inputs of the next linears; ``3q + 2k``: q, k, v, the attention output and its
+  contiguous copy (wo's input), ``k`` the key/value width: n_kv_head * head_dim for trainq's
+  llama (SDPA's enable_gqa keeps them unrepeated), q for gpt and, conservatively, for hf
+  (transformers repeats them unless its SDPA path takes enable_gqa); gpt's ``2h``: the MLP's
+  pre- and post-GELU; llama's ``4h``: SwiGLU's w1 output, its silu, w3's output and their
+  product; llama's second ``4*2d``: torch's composite ``rms_norm`` also keeps each norm's
+  normalized input in fp32. A linear's input is kept for its weight's gradient, so under
+  autocast each linear keeps its own half copy (llama's norm outputs: 3 for wq/wk/wv, 2 for
+  w1/w3: ``5d`` instead of ``2d``), and a frozen linear keeps none. With LoRA only the
+  adapted linears train: each keeps its input (and, with lora.dropout, its own dropped copy
+  and a one-byte mask) and ``x A^T`` (``a*rank``). A checkpointed block keeps only its
+  input, ``4*s*d``. The head keeps the final norm's input (``4*s*d``, llama ``8*s*d``) and
+  output (``a*s*d``, if the head trains) and, for the loss, ``3 * 4*s*V``: the fp32
+  log-probabilities kept for backward and, when backward starts, the gradients of the
   log-probabilities and of the logits beside them.
 
       none:      L * block + head
@@ -51,13 +58,14 @@ all parameters, ``T`` the trainable ones, ``W`` the world size.
 - cpu_offload (fsdp): weights, gradients and optimizer state (the shards) live in host memory;
   the device keeps the gathered parameters, the unsharded gradients and the activations.
 
-total = weights + gathered + optimizer + gradient buffers + max(backward, step), where
-backward = activations (+ the kept gradients when grad_accum_steps > 1: earlier
-micro-batches left theirs) and step = kept gradients + optimizer_step. Backward peaks at its
-start, before it has made any gradient; the step comes after the activations are freed.
+total = weights + gathered + optimizer + DDP's buckets + the largest of: backward's start,
+activations (+ the kept gradients when grad_accum_steps > 1: earlier micro-batches left
+theirs); backward's end, kept + fsdp's unsharded gradients; the step, kept + optimizer_step.
+Backward peaks at its start, before it has made any gradient: the activations go as the
+gradients come.
 
-Not modelled: torch.compile (its fusions keep less), LoRA's frozen linears (they keep fewer
-inputs), the CUDA context, NCCL and library workspaces, allocator fragmentation.
+Not modelled: torch.compile (its fusions keep less), the CUDA context, NCCL and library
+workspaces, allocator fragmentation.
 """
 
 from __future__ import annotations
@@ -125,6 +133,14 @@ class Shape:
     block_linears: tuple[Linear, ...]
     head_linears: tuple[Linear, ...]
     block_prefix: str  # "blocks.{}." -- a block linear's full name is prefix + name
+    # Per token, what a block keeps for backward besides the linears' inputs: q, k, v and
+    # the attention output (SDPA), and the MLP's activation inputs (GELU's, or SwiGLU's
+    # w1 output, its silu and w3's output)
+    kept_always: int
+    # The linears' inputs: (width, the linears reading it); kept only for a linear that
+    # trains (its weight's gradient needs it), once per such linear under autocast (each
+    # casts its own copy), once in all in fp32
+    linear_inputs: tuple[tuple[int, tuple[str, ...]], ...]
 
     @property
     def params(self) -> int:
@@ -192,6 +208,8 @@ def _gpt_style(
         block_linears=linears,
         head_linears=(Linear("lm_head", d, vocab),),
         block_prefix=prefix,
+        kept_always=4 * d + hidden,
+        linear_inputs=tuple((i, (n,)) for n, (i, _) in zip(names, sizes, strict=True)),
     )
 
 
@@ -210,11 +228,14 @@ def _llama_style(
     names: tuple[str, ...],
     head: str,
     prefix: str,
+    native_gqa: bool,
     extra_block: int = 0,
 ) -> Shape:
     """RMSNorm, grouped-query attention, SwiGLU, no biases: trainq's llama and Hugging Face's
-    LlamaForCausalLM and its kin. ``names``: q, k, v, o, then the MLP's w1, w2, w3."""
+    LlamaForCausalLM and its kin. ``names``: q, k, v, o, then the MLP's w1, w2, w3.
+    ``native_gqa``: SDPA gets k and v at their own width (``enable_gqa``), not repeated."""
     q, kv = heads * head_dim, kv_heads * head_dim
+    kv_kept = kv if native_gqa else q
     sizes = ((d, q), (d, kv), (d, kv), (q, d), (d, hidden), (hidden, d), (d, hidden))
     linears = tuple(Linear(n, i, o) for n, (i, o) in zip(names, sizes, strict=True))
     return Shape(
@@ -233,6 +254,13 @@ def _llama_style(
         block_linears=linears,
         head_linears=(Linear(head, d, vocab),),
         block_prefix=prefix,
+        kept_always=2 * q + 2 * kv_kept + 3 * hidden,
+        linear_inputs=(
+            (d, names[:3]),  # the attention norm's output: q, k, v
+            (q, names[3:4]),  # the attention's output: o
+            (d, (names[4], names[6])),  # the MLP norm's output: w1, w3
+            (hidden, names[5:6]),  # silu(w1 x) * w3 x: w2
+        ),
     )
 
 
@@ -252,6 +280,7 @@ def llama_shape(c: LlamaConfig) -> Shape:
         names=(*(f"attention.w{x}" for x in "qkvo"), *(f"feed_forward.w{x}" for x in "123")),
         head="output",
         prefix="blocks.{}.",
+        native_gqa=True,  # trainer/llama.py: enable_gqa
     )
 
 
@@ -315,6 +344,7 @@ def hf_shape(cfg: dict[str, Any], seq_len: int) -> tuple[Shape, str | None]:
         ),
         head="lm_head",
         prefix="model.layers.{}.",
+        native_gqa=False,  # transformers' repeat_kv, unless its SDPA path takes enable_gqa
         extra_block=extra,
     )
     exact = kind in ("llama", "mistral", "qwen2", "qwen3")
@@ -373,23 +403,21 @@ class Counts:
     block_trainable: int  # ... and its trainable ones (its unsharded gradients)
     root: int  # outside the blocks (FSDP's root), adapters included
     root_trainable: int
+    # LoRA: the linears adapted in that largest block, and whether the head is; None: all
+    # parameters train
+    adapted: frozenset[str] | None = None
+    head_adapted: bool = True
 
 
-def lora_targets(shape: Shape, train: TrainConfig) -> tuple[str, ...]:
-    assert train.lora is not None
-    return tuple(train.lora.targets or DEFAULT_LORA_TARGETS[shape.family])
+def adapted(linears: tuple[Linear, ...], prefix: str, targets: tuple[str, ...]) -> list[Linear]:
+    """The linears LoRA adapts (trainer.lora.apply_lora): each nn.Linear whose full name
+    (``prefix`` + its name) a target names."""
+    return [x for x in linears if x.adaptable and lora_matches(prefix + x.name, targets)]
 
 
-def lora_adapters(shape: Shape, train: TrainConfig, linears: list[tuple[str, Linear]]) -> int:
-    """``rank * (in + out)`` for each of ``linears`` (full name, linear) that a target
-    names (trainer.lora.apply_lora)."""
-    assert train.lora is not None
-    targets = lora_targets(shape, train)
-    return sum(
-        train.lora.rank * (x.fan_in + x.fan_out)
-        for name, x in linears
-        if x.adaptable and lora_matches(name, targets)
-    )
+def adapter_params(linears: list[Linear], rank: int) -> int:
+    """``rank * (in + out)`` per adapted linear: LoRA's A and B."""
+    return sum(rank * (x.fan_in + x.fan_out) for x in linears)
 
 
 def parameter_counts(shape: Shape, train: TrainConfig) -> Counts:
@@ -402,21 +430,24 @@ def parameter_counts(shape: Shape, train: TrainConfig) -> Counts:
             root=shape.root_params,
             root_trainable=shape.root_params,
         )
-    per_block = [
-        lora_adapters(
-            shape, train, [(shape.block_prefix.format(i) + x.name, x) for x in shape.block_linears]
-        )
+    targets = tuple(train.lora.targets or DEFAULT_LORA_TARGETS[shape.family])
+    rank = train.lora.rank
+    blocks = [
+        adapted(shape.block_linears, shape.block_prefix.format(i), targets)
         for i in range(shape.n_layer)
     ]
-    head = lora_adapters(shape, train, [(x.name, x) for x in shape.head_linears])
-    adapters = sum(per_block) + head
+    per_block = [adapter_params(b, rank) for b in blocks]
+    largest = max(range(shape.n_layer), key=per_block.__getitem__)
+    head = adapter_params(adapted(shape.head_linears, "", targets), rank)
     return Counts(
-        total=shape.params + adapters,
-        trainable=adapters,
-        block=shape.block_params + max(per_block),
-        block_trainable=max(per_block),
+        total=shape.params + sum(per_block) + head,
+        trainable=sum(per_block) + head,
+        block=shape.block_params + per_block[largest],
+        block_trainable=per_block[largest],
         root=shape.root_params + head,
         root_trainable=head,
+        adapted=frozenset(x.name for x in blocks[largest]),
+        head_adapted=head > 0,
     )
 
 
@@ -437,6 +468,8 @@ class Run:
     reshard: bool
     ac: str
     accum: int  # micro-batches per step
+    lora_rank: int = 0
+    lora_dropout: bool = False
 
     @property
     def act_bytes(self) -> int:
@@ -449,8 +482,13 @@ class Run:
     def shard(self, n: int) -> int:
         return -(-n // self.world) if self.fsdp else n
 
+    def trains(self, linear: str) -> bool:
+        """Whether a block linear has a trainable weight (all do, or LoRA adapts it)."""
+        return self.counts.adapted is None or linear in self.counts.adapted
+
 
 def weights(r: Run) -> int:
+    """ddp: 4P, plus autocast's half copies of the matmul weights; fsdp: the fp32 shards."""
     if r.fsdp:
         return 0 if r.offload else FP32 * r.shard(r.counts.total)
     cast_copies = 2 * r.shape.matmul_params if r.half else 0
@@ -458,6 +496,7 @@ def weights(r: Run) -> int:
 
 
 def gathered(r: Run) -> int:
+    """fsdp: the root and the blocks gathered at once, in the parameter dtype."""
     if not r.fsdp:
         return 0
     blocks = min(2, r.shape.n_layer) if r.reshard else r.shape.n_layer
@@ -465,7 +504,8 @@ def gathered(r: Run) -> int:
 
 
 def gradients(r: Run) -> int:
-    return kept_gradients(r) + gradient_buffers(r)
+    """Every gradient there is at the end of backward."""
+    return kept_gradients(r) + ddp_buckets(r) + unsharded_gradients(r)
 
 
 def kept_gradients(r: Run) -> int:
@@ -475,39 +515,62 @@ def kept_gradients(r: Run) -> int:
     return FP32 * r.shard(r.counts.trainable)
 
 
-def gradient_buffers(r: Run) -> int:
-    """DDP's buckets (all of them, always there); under FSDP one block's (or the root's)
-    gradients unsharded before their reduce-scatter."""
+def ddp_buckets(r: Run) -> int:
+    """DDP's gradient buckets: a copy of every gradient, made once and always there."""
+    return 0 if r.fsdp else FP32 * r.counts.trainable
+
+
+def unsharded_gradients(r: Run) -> int:
+    """fsdp: one block's (or the root's, reduced last) gradients before their
+    reduce-scatter, in the parameter dtype and as the fp32 scatter input."""
     if not r.fsdp:
-        return FP32 * r.counts.trainable
+        return 0
     largest = max(r.counts.block_trainable, r.counts.root_trainable)
     return (r.gathered_param_bytes + FP32) * largest
 
 
 def optimizer(r: Run) -> int:
+    """AdamW's exp_avg and exp_avg_sq, fp32, of the trainable parameters (or their shards)."""
     return 0 if r.offload else 2 * FP32 * r.shard(r.counts.trainable)
 
 
 def optimizer_step(r: Run) -> int:
+    """foreach AdamW's sqrt(exp_avg_sq) for the whole group, made and freed in the step."""
     return 0 if r.offload else FP32 * r.shard(r.counts.trainable)
 
 
 def block_activations(r: Run) -> int:
+    """What one block keeps for backward (the module docstring's gpt and llama lines)."""
     sh, a = r.shape, r.act_bytes
-    d, q, h = sh.d_model, sh.attn_width, sh.hidden
-    fp32_per_token = FP32 * 2 * d * (2 if sh.norm == "rmsnorm" else 1)
-    mlp = 2 * h if sh.mlp == "gelu" else 4 * h
-    return r.tokens * (fp32_per_token + a * (2 * d + 5 * q + mlp) + FP32 * sh.n_head)
+    residual = FP32 * 2 * sh.d_model * (2 if sh.norm == "rmsnorm" else 1)
+    adapted = len(r.counts.adapted or ())  # each keeps x A^T (rank wide) for B
+    per_token = residual + a * (sh.kept_always + r.lora_rank * adapted) + FP32 * sh.n_head
+    return r.tokens * (per_token + linear_inputs(r))
+
+
+def linear_inputs(r: Run) -> int:
+    """Per token, the inputs a block's linears keep: only a linear that trains keeps its
+    input; under autocast each keeps its own half copy, in fp32 they share the tensor
+    (LoRA's dropout gives each adapter its own, and a one-byte mask)."""
+    per_token = 0
+    for width, readers in r.shape.linear_inputs:
+        keeping = sum(1 for name in readers if r.trains(name))
+        copies = keeping if r.half or r.lora_dropout else min(1, keeping)
+        per_token += width * (copies * r.act_bytes + (keeping if r.lora_dropout else 0))
+    return per_token
 
 
 def head_activations(r: Run) -> int:
+    """The final norm's tensors and the loss's three ``s x V`` fp32 tensors."""
     sh = r.shape
-    norm = FP32 * sh.d_model * (2 if sh.norm == "rmsnorm" else 1) + r.act_bytes * sh.d_model
+    norm = FP32 * sh.d_model * (2 if sh.norm == "rmsnorm" else 1)
+    norm += r.act_bytes * sh.d_model if r.counts.head_adapted else 0  # the head's input
     loss = 3 * FP32 * sh.vocab
     return r.tokens * (norm + loss)
 
 
 def activations(r: Run) -> int:
+    """One micro-batch's, at the start of backward, for the activation checkpointing."""
     layers, block = r.shape.n_layer, block_activations(r)
     kept_input = FP32 * r.tokens * r.shape.d_model
     head = head_activations(r)
@@ -545,14 +608,16 @@ def device_memory(r: Run) -> dict[str, int]:
 
 
 def peak(r: Run) -> int:
-    """What is always there, plus the larger of backward's peak and the step's. Backward
-    peaks at its start, before any gradient is made (unless earlier micro-batches of the
-    step left theirs); the step holds every gradient and its own temporaries."""
-    always = weights(r) + gathered(r) + optimizer(r) + gradient_buffers(r)
-    earlier = kept_gradients(r) if r.accum > 1 else 0
-    backward = activations(r) + earlier
-    step = kept_gradients(r) + optimizer_step(r)
-    return always + max(backward, step)
+    """What is always there, plus the largest of three moments: backward's start (the
+    activations, before any gradient is made, unless earlier micro-batches of the step left
+    theirs), backward's end (every gradient, under FSDP the root's still unsharded) and the
+    optimizer step (every gradient and the step's temporaries)."""
+    always = weights(r) + gathered(r) + optimizer(r) + ddp_buckets(r)
+    kept = kept_gradients(r)
+    start = activations(r) + (kept if r.accum > 1 else 0)
+    end = kept + unsharded_gradients(r)
+    step = kept + optimizer_step(r)
+    return always + max(start, end, step)
 
 
 # -- fits ------------------------------------------------------------------------------------
@@ -626,6 +691,8 @@ def plan(
             reshard=train.fsdp.reshard_after_forward,
             ac=train.activation_checkpointing,
             accum=train.batch.grad_accum_steps,
+            lora_rank=train.lora.rank if train.lora else 0,
+            lora_dropout=bool(train.lora and train.lora.dropout),
         )
         device = device_memory(run)
         host = host_offloaded(run)
@@ -637,8 +704,6 @@ def plan(
         total = device["total"]
         if train.compile:
             notes.append("compile is not modelled (its fusions usually keep fewer activations)")
-        if train.lora is not None:
-            notes.append("LoRA: activations counted as without it (an upper bound)")
     ok, reason, smallest = fits(total, devices, devices_unknown)
     out.update(fits=ok, fits_reason=reason, device_memory_bytes=smallest, notes=notes)
     return out

@@ -186,3 +186,53 @@ class WorkerOut(BaseModel):
 
 class WorkerList(BaseModel):
     items: list[WorkerOut]
+
+
+class PlanParameters(BaseModel):
+    total: int | None = Field(None, description="every parameter (LoRA's adapters included)")
+    trainable: int | None = Field(None, description="with LoRA, only the adapters")
+
+
+class PlanDeviceMemory(BaseModel):
+    """Bytes per device (one rank); the formulas are trainer/plan.py's."""
+
+    weights: int
+    gathered: int = Field(description="FSDP's unsharded parameters (0 under ddp)")
+    gradients: int
+    optimizer: int = Field(description="AdamW's two fp32 moments of the trainable parameters")
+    activations: int = Field(description="one micro-batch's, for the activation checkpointing")
+    optimizer_step: int = Field(description="the step's temporaries (never with activations)")
+    total: int = Field(
+        description="what is always there plus the larger of backward's peak and the step's"
+    )
+
+
+class PlanHostMemory(BaseModel):
+    """Bytes per rank that fsdp.cpu_offload moves to host memory (0 without it)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    total: int
+
+
+class PlanMemory(BaseModel):
+    device: PlanDeviceMemory
+    host: PlanHostMemory
+    host_per_node: int
+
+
+class PlanOut(BaseModel):
+    """``POST /v1/jobs?dry_run=true``: what the spec would need, before anything runs."""
+
+    family: str
+    world_size: int = Field(description="nodes * procs_per_node")
+    tokens_per_step: int
+    parameters: PlanParameters
+    memory: PlanMemory | None = Field(None, description="null when the model is unknown")
+    fits: bool | None = Field(
+        None, description="the device estimate against the queue's smallest device; null: unknown"
+    )
+    fits_reason: str
+    device_memory_bytes: int | None = None
+    notes: list[str] = Field(default_factory=list)

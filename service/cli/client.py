@@ -216,6 +216,20 @@ class Client:
         )
         return job
 
+    def plan(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/jobs?dry_run=true: the spec validated as a submit is, and its plan
+        (parameters, tokens per step, memory per device, fits); nothing is stored or sent."""
+        body = json.dumps(spec).encode()
+        result: dict[str, Any] = self._json(
+            "POST",
+            "/v1/jobs",
+            "job spec",
+            content=body,
+            headers={"Content-Type": "application/json"},
+            params={"dry_run": "true"},
+        )
+        return result
+
     def jobs(
         self,
         *,

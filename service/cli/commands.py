@@ -228,6 +228,67 @@ def register(app: typer.Typer) -> None:
                     wait_for_job(client, job_id, follow=follow, timeout=timeout, quiet=quiet)
                 )
 
+    def _size(value: Any) -> str:
+        if not isinstance(value, int | float):
+            return "-"
+        for unit in ("B", "KiB", "MiB", "GiB"):
+            if abs(value) < 1024:
+                return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+            value /= 1024
+        return f"{value:,.1f} TiB"
+
+    def _count(value: Any) -> str:
+        return f"{value:,}" if isinstance(value, int) else "unknown"
+
+    def plan_text(out: dict[str, Any]) -> str:
+        """``trainq plan``: parameters, tokens, the memory per device by term, fits."""
+        params = out.get("parameters") or {}
+        head = [
+            f"model:     {out.get('family')}, {_count(params.get('total'))} parameters"
+            f" ({_count(params.get('trainable'))} trainable)",
+            f"per step:  {_count(out.get('tokens_per_step'))} tokens"
+            f" on {out.get('world_size')} rank(s)",
+        ]
+        lines = [clean(line) for line in head]
+        memory = out.get("memory")
+        if isinstance(memory, dict):
+            device, host = memory.get("device") or {}, memory.get("host") or {}
+            offload = bool(host.get("total"))
+            terms = ["weights", "gathered", "gradients", "optimizer", "activations"]
+            rows = [
+                [term, _size(device.get(term)), *([_size(host.get(term))] if offload else [])]
+                for term in [*terms, "optimizer_step", "total"]
+            ]
+            header = ["MEMORY", "PER DEVICE", *(["HOST (OFFLOADED)"] if offload else [])]
+            if offload:
+                rows.append(["per node", "", _size(memory.get("host_per_node"))])
+            lines += ["", table(rows, header), ""]  # table cleans every cell
+        verdict = out.get("fits")
+        fits = "yes" if verdict is True else "NO" if verdict is False else "unknown"
+        tail = [f"fits:      {fits}: {out.get('fits_reason')}"]
+        tail += [f"note:      {note}" for note in out.get("notes") or []]
+        return "\n".join([*lines, *(clean(line) for line in tail)])
+
+    @app.command("plan", epilog=EXIT_CODES_HELP)
+    @cli_errors
+    def plan(
+        spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="job spec, YAML or JSON")],
+        overrides: Annotated[
+            list[str] | None,
+            typer.Option("--set", metavar="KEY.PATH=VALUE", help="override a spec value"),
+        ] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+    ) -> None:
+        """Dry run: validate the spec as submit does and print its plan (parameters, memory
+        per device by term, whether it fits the queue's devices); nothing is queued."""
+        spec = load_spec(spec_file, overrides or [])
+        with _client() as client:
+            out = client.plan(spec)
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))
+            return
+        typer.echo(plan_text(out))
+
     @app.command("ls")
     @cli_errors
     def ls(

@@ -25,8 +25,8 @@ def _locs(resp: Any) -> list[list[Any]]:
     ("body", "loc"),
     [
         ({"train": {"steps": 0}}, ["body", "train", "steps"]),
-        ({"train": {"model": {"n_layer": "two"}}}, ["body", "train", "model", "n_layer"]),
-        ({"train": {"model": {"d_model": 64, "n_head": 3}}}, ["body", "train", "model"]),
+        ({"train": {"model": {"n_layer": "two"}}}, ["body", "train", "model", "gpt", "n_layer"]),
+        ({"train": {"model": {"d_model": 64, "n_head": 3}}}, ["body", "train", "model", "gpt"]),
         ({"train": {"optim": {"lr": -1}}}, ["body", "train", "optim", "lr"]),
         ({"train": {}, "nodes": 10_000}, ["body", "nodes"]),
         ({"train": {}, "retries": -1}, ["body", "retries"]),

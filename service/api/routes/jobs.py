@@ -17,10 +17,11 @@ from service.api.deps import PrincipalDep, Services, ServicesDep
 from service.api.errors import InvalidInput, NotFound, PayloadTooLarge
 from service.api.notify import publish_status, signal_cancel
 from service.api.routes import errors
-from service.api.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary
+from service.api.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary, PlanOut
 from service.api.state import cancel_job
 from service.api.submit import submit_one
-from trainer.config import ConfigError, reject_nul, resolve_data_path
+from trainer.config import ConfigError, HFModelConfig, reject_nul, resolve_data_path
+from trainer.plan import plan
 from trainer.yamlspec import MAX_DEPTH, SpecSyntaxError, json_depth_ok, load_yaml
 
 __all__ = ["JobId", "get_job_answer", "job_out", "openapi_components", "router"]
@@ -94,7 +95,12 @@ def parse_spec(
                 for e in exc.errors()
             ],
         ) from exc
-    _check_data_path(spec.train.data.path, data_root)
+    train = spec.train
+    _check_data_path(train.data.path, data_root, ["data", "path"])
+    if isinstance(train.model, HFModelConfig):
+        _check_data_path(train.model.path, data_root, ["model", "hf", "path"])
+    if train.init is not None and train.init.path is not None:
+        _check_data_path(train.init.path, data_root, ["init", "path"])
     return spec
 
 
@@ -106,7 +112,8 @@ _PATH_OK_S = 1.0
 _paths_ok: dict[tuple[str, str], float] = {}
 
 
-def _check_data_path(path: str, data_root: Any) -> None:
+def _check_data_path(path: str, data_root: Any, field: list[str | int]) -> None:
+    """A path of the spec (``train.<field>``) resolves inside the data root."""
     key = (path, str(data_root))
     now = time.monotonic()
     if _paths_ok.get(key, 0.0) > now:
@@ -114,10 +121,56 @@ def _check_data_path(path: str, data_root: Any) -> None:
     try:
         resolve_data_path(path, data_root)
     except ConfigError as exc:
-        raise InvalidInput.at(["body", "train", "data", "path"], str(exc)) from exc
+        message = str(exc).replace("data.path", ".".join(str(f) for f in field))
+        raise InvalidInput.at(["body", "train", *field], message) from exc
     if len(_paths_ok) > 1024:
         _paths_ok.clear()
     _paths_ok[key] = now + _PATH_OK_S
+
+
+def _check_init_job(services: Services, principal: Principal, job_id: str) -> None:
+    """``train.init.job`` names a job the caller may see (its weights are that job's)."""
+    with services.reader.connect() as session:
+        if not crud.job_exists(session, principal, job_id):
+            raise InvalidInput.at(
+                ["body", "train", "init", "job"], f"job {job_id} not found (or not yours)"
+            )
+
+
+def _queue_devices(services: Services, queue: str) -> tuple[list[dict[str, Any]] | None, str]:
+    """The devices of the live workers serving ``queue``, each ``{"memory_bytes": n}``, or
+    None and why not. A worker entry names its GPUs (``gpus``) but not their memory today;
+    an entry with ``gpu_memory_bytes`` (one per GPU, in ``gpus``' order) would supply it."""
+    try:
+        workers = [w for w in services.live_workers() if queue in (w.get("queues") or ())]
+    except RedisError:
+        return None, "the worker registry is unreachable right now"
+    if not workers:
+        return None, f"no worker serves queue {queue}"
+    devices: list[dict[str, Any]] = []
+    for w in workers:
+        gpus, memory = w.get("gpus"), w.get("gpu_memory_bytes")
+        if not gpus or not isinstance(memory, list) or len(memory) != len(gpus):
+            return None, "the queue's workers do not report device memory"
+        devices += [
+            {"worker": w.get("name"), "gpu": g, "memory_bytes": m}
+            for g, m in zip(gpus, memory, strict=True)
+        ]
+    return devices, ""
+
+
+def _plan_answer(services: Services, spec: JobSpec) -> Response:
+    """The dry run's answer: the spec's plan against its queue's devices (trainer.plan)."""
+    devices, why = _queue_devices(services, spec.queue)
+    found = plan(
+        spec.train,
+        procs_per_node=spec.procs_per_node,
+        nodes=spec.nodes,
+        data_root=services.settings.data_root,
+        devices=devices,
+        devices_unknown=why,
+    )
+    return _json(PlanOut.model_validate(found))
 
 
 def job_out(row: Any, attempts: list[Any] | None = None, pending: str | None = None) -> JobOut:
@@ -150,7 +203,11 @@ def openapi_components() -> dict[str, Any]:
     status_code=201,
     response_model=JobOut,
     responses={
-        200: {"model": JobOut, "description": "the job this Idempotency-Key already created"},
+        200: {
+            "model": JobOut | PlanOut,
+            "description": "the job this Idempotency-Key already created (JobOut), or with"
+            " dry_run=true the plan of the spec (PlanOut): nothing stored, nothing sent",
+        },
         **errors(401, 409),
     },
     openapi_extra={
@@ -169,8 +226,14 @@ async def submit_job(
     idempotency_key: Annotated[
         str | None, Header(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
     ] = None,
+    dry_run: Annotated[
+        bool,
+        Query(description="validate as a submit does and answer the plan; store and send nothing"),
+    ] = False,
 ) -> Response:
-    """Submit a training job (JSON or YAML body); a repeated Idempotency-Key returns its job."""
+    """Submit a training job (JSON or YAML body); a repeated Idempotency-Key returns its job.
+    With ``dry_run=true``: the same validation (and 4xx), then 200 with the spec's plan
+    (parameters, tokens per step, memory per device, whether it fits the queue's devices)."""
     raw = await request.body()
     content_type = request.headers.get("content-type")
     args = (raw, content_type, services.settings.data_root, services.settings.max_yaml_bytes)
@@ -178,6 +241,10 @@ async def submit_job(
         spec = await run_in_threadpool(parse_spec, *args)
     else:
         spec = parse_spec(*args)
+    if spec.train.init is not None and spec.train.init.job is not None:
+        await run_in_threadpool(_check_init_job, services, principal, spec.train.init.job)
+    if dry_run:
+        return await run_in_threadpool(_plan_answer, services, spec)
     row = crud.job_row(principal, spec, idempotency_key)
     if services.submits is not None and await services.submits.add(row):
         created = True  # committed with the other submits of its batch (service.api.submit)
