@@ -137,6 +137,16 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics(run_dir)}
 
 
+def run_losses(
+    cfg: dict[str, Any], run_dir: Path, data_root: Path, env: dict[str, str], nproc: int
+) -> list[float]:
+    """Run ``cfg`` to its end (it must succeed); its per-step losses in step order."""
+    code, out = run(cfg, run_dir, data_root, env, nproc=nproc)
+    assert code == 0, out
+    got = losses(run_dir)
+    return [got[s] for s in sorted(got)]
+
+
 def wait_for(
     predicate: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[str]
 ) -> None:

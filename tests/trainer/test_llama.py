@@ -43,10 +43,7 @@ def golden_llama_config() -> dict[str, Any]:
 def _run(
     tmp: Path, name: str, cfg: dict[str, Any], data_root: Path, env: Any, n: int
 ) -> list[float]:
-    code, out = runs.run(cfg, tmp / name, data_root, env, nproc=n)
-    assert code == 0, out
-    got = runs.losses(tmp / name)
-    return [got[s] for s in sorted(got)]
+    return runs.run_losses(cfg, tmp / name, data_root, env, n)
 
 
 @pytest.fixture(scope="module")
