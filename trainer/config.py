@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "DEFAULT_LORA_TARGETS",
     "AnyModelConfig",
     "BatchConfig",
     "CheckpointConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "load_config",
+    "lora_matches",
     "reject_nul",
     "resolve_data_path",
     "resolve_init_path",
@@ -162,6 +164,12 @@ def reject_nul(value: str) -> str:
 class DataConfig(_Strict):
     # A folder of llm.c-format shards train*.bin / val*.bin, relative to the data root.
     path: str = Field("tiny", min_length=1, max_length=1024)
+    # A dataset uploaded to the service (POST /v1/datasets), by name. The service resolves
+    # it at submit for the submitting owner and freezes its folder into ``path`` (a spec
+    # sent with both is refused there); the trainer reads only ``path``.
+    dataset: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+    )
 
     _no_nul = field_validator("path")(reject_nul)  # no file system takes it
 
@@ -207,6 +215,20 @@ class InitConfig(_Strict):
         return self
 
 
+# The linears LoRA adapts when the spec names no targets: each family's attention
+# projections (the LoRA paper's choice). trainer.lora applies them, trainer.plan counts them.
+DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "gpt": ("attn.qkv", "attn.proj"),
+    "llama": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
+    "hf": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+def lora_matches(name: str, targets: tuple[str, ...]) -> bool:
+    """A linear whose full name is a target, or ends with ``.`` + a target, is adapted."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
 class LoraConfig(_Strict):
     """Low-rank adapters: the base weights frozen, ``W x + (alpha/rank) B A x`` trained for
     each linear whose name ends with one of ``targets`` (default: the attention
@@ -232,6 +254,9 @@ class FSDPConfig(_Strict):
 class CheckpointConfig(_Strict):
     every: int = Field(50, ge=0, le=10_000_000)  # 0: only at the end and on SIGTERM
     keep: int = Field(2, ge=1, le=1000)
+    # The Hugging Face folder step-N/hf/ (trainer.publish): for the finished run's last
+    # checkpoint, for every checkpoint as it is saved, or never.
+    hf: Literal["final", "every", "none"] = "final"
 
 
 class TrainConfig(_Strict):
@@ -338,7 +363,17 @@ def resolve_model_path(
     folder = resolve_data_path(cfg.path, data_root, allow_absolute=data_root is None)
     if not folder.is_dir():
         raise ConfigError(f"model.path {cfg.path!r} is not a folder under the data root")
+    require_extra("transformers", "model.family hf")
     return cfg.model_copy(update={"path": str(folder)})
+
+
+def require_extra(package: str, what: str) -> None:
+    """ConfigError naming the ``hf`` extra when ``package`` is not installed here (the
+    trainer asks before it imports torch, so a worker without it answers in a moment)."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"{what} needs {package} on the worker: pip install 'trainq[hf]'")
 
 
 def resolve_init_path(cfg: TrainConfig, data_root: str | os.PathLike[str] | None) -> TrainConfig:
@@ -349,4 +384,5 @@ def resolve_init_path(cfg: TrainConfig, data_root: str | os.PathLike[str] | None
         folder = resolve_data_path(cfg.init.path, data_root, allow_absolute=data_root is None)
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("data.path", "init.path", 1)) from None
+    require_extra("safetensors", "init.path")
     return cfg.model_copy(update={"init": cfg.init.model_copy(update={"path": str(folder)})})

@@ -17,6 +17,9 @@ Runtime for .onnx, when installed) and its logits compared with the checkpointed
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``GPT2LMHeadModel`` for the gpt
 family, ``LlamaForCausalLM`` for llama (trainer.hf); it is loaded back with transformers and
 its logits compared the same way. It needs the ``hf`` extra (transformers, safetensors).
+When the run's dataset (``data.path`` of the run's config.json, or ``--config``, under
+``--data-root``) holds a ``tokenizer.json`` (trainer.prepare copies it there), the folder
+gets it too, with a ``tokenizer_config.json`` that ``transformers.AutoTokenizer`` loads.
 
 The file is 0640 and a folder made for it 0750, whatever the umask (trainer.files).
 
@@ -38,10 +41,17 @@ from typing import Any, Literal
 import torch
 
 from trainer.checkpoint import latest_checkpoint
-from trainer.config import AnyModelConfig, ConfigError, LoraConfig, load_config
+from trainer.config import (
+    AnyModelConfig,
+    ConfigError,
+    LoraConfig,
+    load_config,
+    resolve_data_path,
+)
 from trainer.files import FILE_MODE, UMASK, make_dirs
 from trainer.lora import apply_lora, merge_lora, targets_for
 from trainer.models import build_model, model_config, vocab_size
+from trainer.tokenizer import BYTE, TokenizerError, dataset_tokenizer
 
 __all__ = ["ExportError", "checkpoint_config", "export", "load_model"]
 
@@ -121,14 +131,37 @@ def _sample(cfg: AnyModelConfig, batch: int, seq: int) -> torch.Tensor:
     return torch.randint(0, vocab_size(cfg), (batch, min(seq, cfg.seq_len)), generator=gen)
 
 
-def export(model: Any, out: Path, fmt: Format, *, atol: float = ATOL) -> float:
+def run_tokenizer(
+    run_dir: Path, config: Path | None = None, data_root: str | os.PathLike[str] | None = None
+) -> Path | None:
+    """The Hugging Face tokenizer.json of the run's dataset, or None (byte-level, or no
+    config.json to name the dataset): ``data.path`` of ``config`` (default: the run's
+    config.json) resolved under ``data_root`` (trainer.tokenizer.dataset_tokenizer)."""
+    path = config or run_dir / "config.json"
+    if not path.is_file():
+        return None
+    data_dir = resolve_data_path(load_config(path).data.path, data_root, allow_absolute=True)
+    if not data_dir.is_dir():
+        print(f"trainer.export: note: the run's dataset {data_dir} is not there (--data-root?): "
+              "no tokenizer is exported", file=sys.stderr)  # fmt: skip
+        return None
+    try:
+        found = dataset_tokenizer(data_dir)
+    except TokenizerError as exc:
+        raise ExportError(str(exc)) from None
+    return None if found == BYTE else Path(found)
+
+
+def export(
+    model: Any, out: Path, fmt: Format, *, atol: float = ATOL, tokenizer: Path | None = None
+) -> float:
     """Write ``out``; the largest absolute logit difference of the file against ``model``
     on a batch of another shape than the one traced (so the dynamic dims are exercised).
-    ``hf`` raises ExportError itself past ``atol``."""
+    ``hf`` raises ExportError itself past ``atol``, and writes ``tokenizer`` beside."""
     if fmt == "hf":
         from trainer.hf import write_hf
 
-        return write_hf(model, out, atol=atol)
+        return write_hf(model, out, atol=atol, tokenizer=tokenizer)
     from torch.export import Dim
 
     cfg = model.cfg
@@ -177,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=("onnx", "pt2", "hf"), help="default: from --out's suffix")
     p.add_argument("--checkpoint", type=Path, help="default: the newest complete one")
     p.add_argument("--config", type=Path, help="the run's config (for old checkpoints)")
+    p.add_argument(
+        "--data-root",
+        default=os.environ.get("TRAINQ_DATA_ROOT"),
+        help="what the run's data.path is under, for hf's tokenizer "
+        "(default: $TRAINQ_DATA_ROOT, else the current folder)",
+    )
     p.add_argument("--atol", type=float, default=ATOL, help="largest logit difference allowed")
     args = p.parse_args(argv)
     fmt = args.format or FORMATS.get(args.out.suffix.lower())
@@ -184,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {args.out}: name it .onnx or .pt2, or pass --format (hf: a folder)")
     try:
         model, step = load_model(args.run_dir, args.checkpoint, args.config)
-        diff = export(model, args.out, fmt, atol=args.atol)
+        tokenizer = (
+            run_tokenizer(args.run_dir, args.config, args.data_root) if fmt == "hf" else None
+        )
+        diff = export(model, args.out, fmt, atol=args.atol, tokenizer=tokenizer)
     except (ExportError, ConfigError) as exc:
         print(f"trainer.export: error: {exc}", file=sys.stderr)
         return 1

@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import HFModelConfig, LlamaConfig, LoraConfig
+from trainer.config import DEFAULT_LORA_TARGETS, LoraConfig, lora_matches
 
 __all__ = [
-    "DEFAULT_TARGETS",
     "LoRALinear",
     "apply_lora",
     "init_lora",
@@ -39,13 +38,6 @@ __all__ = [
     "merge_lora",
     "targets_for",
 ]
-
-# The attention projections of each family (the LoRA paper's choice).
-DEFAULT_TARGETS = {
-    "gpt": ("attn.qkv", "attn.proj"),
-    "llama": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
-    "hf": ("q_proj", "k_proj", "v_proj", "o_proj"),
-}
 
 
 class LoRALinear(nn.Linear):
@@ -63,17 +55,10 @@ class LoRALinear(nn.Linear):
 
 
 def targets_for(model_cfg: Any, lora: LoraConfig) -> tuple[str, ...]:
+    """The spec's targets, or the family's defaults (trainer.config.DEFAULT_LORA_TARGETS)."""
     if lora.targets is not None:
         return tuple(lora.targets)
-    if isinstance(model_cfg, LlamaConfig):
-        return DEFAULT_TARGETS["llama"]
-    if isinstance(model_cfg, HFModelConfig):
-        return DEFAULT_TARGETS["hf"]
-    return DEFAULT_TARGETS["gpt"]
-
-
-def _matches(name: str, targets: tuple[str, ...]) -> bool:
-    return any(name == t or name.endswith("." + t) for t in targets)
+    return DEFAULT_LORA_TARGETS[model_cfg.family]
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig, targets: tuple[str, ...]) -> int:
@@ -83,7 +68,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, targets: tuple[str, ...]) -> 
         p.requires_grad_(False)
     adapted = 0
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear or not _matches(name, targets):
+        if type(module) is not nn.Linear or not lora_matches(name, targets):
             continue
         module.__class__ = LoRALinear
         layer: LoRALinear = module  # type: ignore[assignment]

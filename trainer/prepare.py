@@ -7,9 +7,13 @@
 The default tokenizer is byte-level: every UTF-8 byte is a token (vocab 256), so any text
 works and the tokens decode back with ``bytes(tokens).decode("utf-8")``. With ``--tokenizer``
 a local Hugging Face ``tokenizer.json`` is used through the optional ``tokenizers`` package
-(``pip install 'trainq[hf]'``); its vocabulary must fit uint16.
+(``pip install 'trainq[hf]'``); its vocabulary must fit uint16. That file is copied into
+the dataset as ``DIR/tokenizer.json`` and meta.json names it so (``"tokenizer":
+"tokenizer.json"``, else ``"byte"``): a dataset carries what decodes it, and
+``trainer.export --format hf`` puts it beside the weights (trainer.tokenizer).
 
-The folder and the folders made for it are 0750, the shards and meta.json 0640, whatever the
+The folder and the folders made for it are 0750, the shards, meta.json and tokenizer.json 0640,
+whatever the
 umask (trainer.files): the dataset is read by jobs of the whole group.
 
 Files are concatenated in the order given; the last ``val_fraction`` of the tokens is the
@@ -33,6 +37,7 @@ import numpy as np
 
 from trainer.data import META_FILE, DataError, write_shard
 from trainer.files import make_dirs, set_mode
+from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
 __all__ = ["PrepareSummary", "main", "prepare", "prepare_demo"]
 
@@ -46,7 +51,7 @@ _CHUNK_CHARS = 1 << 20
 @dataclass(frozen=True)
 class PrepareSummary:
     out: str
-    tokenizer: str  # "byte" or the tokenizer.json path
+    tokenizer: str  # "byte", or "tokenizer.json": the copy in the dataset folder
     vocab_size: int
     train_tokens: int
     val_tokens: int
@@ -85,8 +90,9 @@ def _read_text(path: Path) -> str:
 
 
 class _ByteTokenizer:
-    name = "byte"
+    name = BYTE
     vocab_size = BYTE_VOCAB
+    text: str | None = None  # nothing to copy into the dataset
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
@@ -103,10 +109,12 @@ class _HFTokenizer:
         if not path.is_file():
             raise DataError(f"tokenizer file {path} does not exist")
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            # Read once: the text that tokenizes is the text copied into the dataset.
+            self.text: str | None = path.read_text(encoding="utf-8")
+            self._tok = Tokenizer.from_str(self.text)
         except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
             raise DataError(f"tokenizer file {path} cannot be loaded: {exc}") from exc
-        self.name = str(path)
+        self.name = TOKENIZER_FILE
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         if self.vocab_size > UINT16_VOCAB:
             raise DataError(
@@ -201,6 +209,7 @@ def prepare(
             train_shards=_write_split(out, "train", train, shard_tokens),
             val_shards=_write_split(out, "val", val, shard_tokens) if val.size else 0,
         )
+        _write_tokenizer(out, tok.text)
         _write_json(out / META_FILE, summary.to_dict())
     except OSError as exc:
         raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
@@ -208,13 +217,27 @@ def prepare(
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Atomically: a temporary file beside ``path`` (0640), then renamed over it."""
     with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-    ) as f:
+        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+        delete=False,
+    ) as f:  # fmt: skip
         set_mode(f.fileno())  # a temporary file starts 0600
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+        f.write(text)
     Path(f.name).replace(path)
+
+
+def _write_tokenizer(out: Path, text: str | None) -> None:
+    """``out/tokenizer.json``: the HF tokenizer's text, or none at all for bytes (an earlier
+    preparation's copy would claim the byte-level shards for that tokenizer)."""
+    if text is None:
+        (out / TOKENIZER_FILE).unlink(missing_ok=True)
+    else:
+        _write_text(out / TOKENIZER_FILE, text)
 
 
 def prepare_demo(out: str | Path) -> Path:

@@ -2,21 +2,75 @@
 
 Refreshed every few seconds (the service treats an entry older than 15 s as dead) and at
 once whenever an attempt starts or ends; a clean shutdown removes it.
+
+``gpu_memory_bytes`` lists each GPU's memory, in ``gpus``' order, so the dry-run plan can
+say whether a job fits the queue's devices. The worker never imports torch: it asks
+``nvidia-smi`` once, at start (an argv list, a timeout); without it, or on a CPU worker, the
+entry has ``gpu_memory_bytes: null`` and the plan says the memory is not known. The indices
+are nvidia-smi's (PCI bus order), as ``--gpus`` names them under CUDA_DEVICE_ORDER=PCI_BUS_ID.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from worker.context import WorkerContext
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "gpu_memory_bytes", "parse_gpu_memory"]
 
 log = logging.getLogger(__name__)
+
+NVIDIA_SMI_QUERY = ["--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
+NVIDIA_SMI_TIMEOUT_S = 10.0
+MIB = 1 << 20
+
+
+def parse_gpu_memory(text: str) -> dict[int, int]:
+    """nvidia-smi's ``index, memory.total`` lines (MiB, no units) as index -> bytes; a line
+    that is not two integers (``[N/A]``, a warning) is skipped."""
+    found: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            continue
+        index, mib = int(parts[0]), int(parts[1])
+        if mib > 0:
+            found[index] = mib * MIB
+    return found
+
+
+def gpu_memory_bytes(gpus: Sequence[int] | None) -> list[int] | None:
+    """Each of ``gpus``' memory in bytes, by nvidia-smi; None for a CPU worker, or when
+    nvidia-smi is missing, fails, times out or does not list every one of ``gpus``."""
+    if not gpus:
+        return None
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run(
+            [exe, *NVIDIA_SMI_QUERY],
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("nvidia-smi did not answer, GPU memory unknown: %s", exc)
+        return None
+    found = parse_gpu_memory(done.stdout) if done.returncode == 0 else {}
+    if not all(g in found for g in gpus):
+        log.warning("nvidia-smi does not list every GPU of %s: GPU memory unknown", list(gpus))
+        return None
+    return [found[g] for g in gpus]
 
 
 class Registry:
@@ -26,6 +80,7 @@ class Registry:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         ctx.on_change(self._wake.set)
+        self.gpu_memory = gpu_memory_bytes(ctx.gpus)  # asked once: it does not change
 
     def entry(self) -> dict[str, Any]:
         ctx = self.ctx
@@ -35,6 +90,7 @@ class Registry:
             "queues": ctx.queues,
             "slots": ctx.slot_count,
             "gpus": ctx.gpus,
+            "gpu_memory_bytes": self.gpu_memory,  # per GPU, in gpus' order; None: unknown
             "running": ctx.running_jobs(),
             "draining": ctx.preempt.is_set(),  # shutting down: takes no new work
             "ts": time.time(),

@@ -33,6 +33,7 @@ from service.cli.output import (
     table,
     trainq_command,
 )
+from service.cli.plan_view import plan_text
 from service.cli.specfile import SpecError, load_spec
 
 if TYPE_CHECKING:
@@ -91,6 +92,11 @@ def _client() -> Client:
     from service.cli.client import Client
 
     return Client()
+
+
+def _show(out: Any, as_json: bool, text: Callable[[Any], str]) -> None:
+    """What the API answered: its JSON as it came (``--json``), else ``text`` of it."""
+    typer.echo(json.dumps(out, indent=2) if as_json else text(out))
 
 
 # -- waiting and following --------------------------------------------------------------------
@@ -189,6 +195,9 @@ def register(app: typer.Typer) -> None:
     """Add the client commands (and ``data prepare``) to the ``trainq`` app."""
     data_app = typer.Typer(help="Datasets: token shards for the trainer.", no_args_is_help=True)
     app.add_typer(data_app, name="data")
+    from service.cli.datasets import register as register_datasets  # upload, list, show, rm
+
+    register_datasets(data_app)
 
     @app.command("submit", epilog=EXIT_CODES_HELP)
     @cli_errors
@@ -228,47 +237,6 @@ def register(app: typer.Typer) -> None:
                     wait_for_job(client, job_id, follow=follow, timeout=timeout, quiet=quiet)
                 )
 
-    def _size(value: Any) -> str:
-        if not isinstance(value, int | float):
-            return "-"
-        for unit in ("B", "KiB", "MiB", "GiB"):
-            if abs(value) < 1024:
-                return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-            value /= 1024
-        return f"{value:,.1f} TiB"
-
-    def _count(value: Any) -> str:
-        return f"{value:,}" if isinstance(value, int) else "unknown"
-
-    def plan_text(out: dict[str, Any]) -> str:
-        """``trainq plan``: parameters, tokens, the memory per device by term, fits."""
-        params = out.get("parameters") or {}
-        head = [
-            f"model:     {out.get('family')}, {_count(params.get('total'))} parameters"
-            f" ({_count(params.get('trainable'))} trainable)",
-            f"per step:  {_count(out.get('tokens_per_step'))} tokens"
-            f" on {out.get('world_size')} rank(s)",
-        ]
-        lines = [clean(line) for line in head]
-        memory = out.get("memory")
-        if isinstance(memory, dict):
-            device, host = memory.get("device") or {}, memory.get("host") or {}
-            offload = bool(host.get("total"))
-            terms = ["weights", "gathered", "gradients", "optimizer", "activations"]
-            rows = [
-                [term, _size(device.get(term)), *([_size(host.get(term))] if offload else [])]
-                for term in [*terms, "optimizer_step", "total"]
-            ]
-            header = ["MEMORY", "PER DEVICE", *(["HOST (OFFLOADED)"] if offload else [])]
-            if offload:
-                rows.append(["per node", "", _size(memory.get("host_per_node"))])
-            lines += ["", table(rows, header), ""]  # table cleans every cell
-        verdict = out.get("fits")
-        fits = "yes" if verdict is True else "NO" if verdict is False else "unknown"
-        tail = [f"fits:      {fits}: {out.get('fits_reason')}"]
-        tail += [f"note:      {note}" for note in out.get("notes") or []]
-        return "\n".join([*lines, *(clean(line) for line in tail)])
-
     @app.command("plan", epilog=EXIT_CODES_HELP)
     @cli_errors
     def plan(
@@ -283,11 +251,7 @@ def register(app: typer.Typer) -> None:
         per device by term, whether it fits the queue's devices); nothing is queued."""
         spec = load_spec(spec_file, overrides or [])
         with _client() as client:
-            out = client.plan(spec)
-        if as_json:
-            typer.echo(json.dumps(out, indent=2))
-            return
-        typer.echo(plan_text(out))
+            _show(client.plan(spec), as_json, plan_text)
 
     @app.command("ls")
     @cli_errors
@@ -303,10 +267,7 @@ def register(app: typer.Typer) -> None:
         """List jobs, newest first."""
         with _client() as client:
             page = client.jobs(status=status, labels=label, name=name, limit=limit)
-        if as_json:
-            typer.echo(json.dumps(page, indent=2))
-            return
-        typer.echo(job_rows(page.get("items", [])))
+        _show(page, as_json, lambda p: job_rows(p.get("items", [])))
 
     @app.command("status")
     @cli_errors
@@ -316,11 +277,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One job: status, reason, attempts, latest metrics, why it waits."""
         with _client() as client:
-            job = client.job(job_id)
-        if as_json:
-            typer.echo(json.dumps(job, indent=2))
-            return
-        typer.echo(job_status(job))
+            _show(client.job(job_id), as_json, job_status)
 
     @app.command("logs")
     @cli_errors

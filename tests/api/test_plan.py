@@ -205,8 +205,8 @@ def test_fits_against_the_devices_of_the_queue(api: Api) -> None:
     assert out["fits"] is None
     assert out["fits_reason"] == "the queue's workers do not report device memory"
 
-    # ``gpu_memory_bytes`` (one per GPU) is not written by workers today: this is what the
-    # plan would do with it.
+    # A GPU worker's entry with ``gpu_memory_bytes`` (one per GPU, from nvidia-smi:
+    # worker/registry.py, tests/worker/test_registry.py).
     api.services.redis.hdel(api.keys.workers, "w-nomem")
     _register(api, "w-big", [0, 1], gpu_memory_bytes=[80 << 30, 80 << 30])
     out = _plan(api, _body(api))

@@ -4,6 +4,7 @@ logits are the trained model's."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,8 +107,6 @@ def test_an_old_checkpoint_takes_its_model_from_the_run_config(
     ddp_run: Path, tmp_path: Path
 ) -> None:
     """Checkpoints written before meta.json named the model: config.json beside them."""
-    import shutil
-
     run_dir = tmp_path / "old"
     shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
     for meta_path in run_dir.glob("checkpoints/step-*/meta.json"):
@@ -123,3 +122,57 @@ def test_an_old_checkpoint_takes_its_model_from_the_run_config(
         model.state_dict().items(), reference.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def _word_tokenizer(path: Path, lines: list[str]) -> None:
+    """A word-level Hugging Face tokenizer trained here on a few lines (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    tok.train_from_iterator(lines, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(path))
+
+
+def test_hf_export_carries_the_datasets_tokenizer(
+    ddp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose dataset was prepared with a tokenizer.json exports it beside the weights,
+    and transformers' AutoTokenizer loads it and encodes as the original does."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from trainer.export import main as export_main
+    from trainer.prepare import prepare
+
+    lines = [" ".join(runs.WORDS[i:] + runs.WORDS[:i]) + "\n" for i in range(len(runs.WORDS))]
+    original, text = tmp_path / "words.json", tmp_path / "words.txt"
+    _word_tokenizer(original, lines)
+    text.write_text("".join(lines * 20))
+    root = tmp_path / "data"
+    prepare([text], root / "words", tokenizer=original)
+    run_dir = tmp_path / "run"  # the DDP run's weights, as if trained on that dataset
+    shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
+    (run_dir / "config.json").write_text(json.dumps(runs.config(data={"path": "words"})))
+
+    out = tmp_path / "exports" / "hf"
+    argv = ["--run-dir", str(run_dir), "--out", str(out), "--format", "hf"]
+    assert export_main([*argv, "--data-root", str(root)]) == 0, capsys.readouterr().err
+    names = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    assert runs.wrong_modes(tmp_path / "exports") == {}
+    assert (out / "tokenizer.json").read_bytes() == original.read_bytes()
+    loaded = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert isinstance(loaded, PreTrainedTokenizerFast)
+    sample = "the lazy fox runs home and the cat jumps far away zebra"  # zebra: [UNK]
+    expected = Tokenizer.from_file(str(original)).encode(sample, add_special_tokens=False).ids
+    assert loaded(sample, add_special_tokens=False)["input_ids"] == expected
+    assert loaded.decode(expected[:3]) == "the lazy fox"
+
+    # The same run on a byte-level dataset: an earlier export's tokenizer does not stay.
+    (run_dir / "config.json").write_text(json.dumps(runs.config()))
+    capsys.readouterr()
+    assert export_main([*argv, "--data-root", str(tmp_path / "none")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == names[:2]
+    assert "(--data-root?): no tokenizer is exported" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""trainer.hf: our GPT and Llama compute what transformers' GPT2LMHeadModel and
+"""trainer.hf and trainer.hf_io: our GPT and Llama compute what transformers' GPT2LMHeadModel and
 LlamaForCausalLM compute with the same weights; ``--format hf`` exports load with
 AutoModelForCausalLM; a run started from a Hugging Face folder or another job's checkpoint
 (``init``) starts from exactly those weights, and one that does not fit fails before any
@@ -39,7 +39,8 @@ from trainer.env import TrainerEnv
 from trainer.events import ExitCode
 from trainer.export import load_model
 from trainer.export import main as export_main
-from trainer.hf import check_init, from_hf_state_dict, load_init, to_hf_state_dict, write_hf
+from trainer.hf import check_init, load_init, write_hf
+from trainer.hf_io import from_hf_state_dict, to_hf_state_dict
 from trainer.models import build_model
 
 LOGIT_ATOL = 1e-5

@@ -1,11 +1,13 @@
 """The llama family under real torchrun (CPU, gloo): one process == DDP == FSDP2, with and
 without activation checkpointing, FSDP2's reshard choice and CPU offload; a golden loss file
-of its own; exact resume is the trainer's, shared with the GPT (test_resume.py)."""
+of its own; exact resume after a SIGKILL, as the GPT's (test_resume.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +122,32 @@ def test_grouped_query_attention_and_tied_embeddings_shape_the_model() -> None:
     model.init_weights()
     x = torch.randint(0, 256, (2, 16))
     assert model(x).shape == (2, 16, 256)
+
+
+def test_llama_killed_after_checkpoint_resumes_exactly(
+    llama_runs: dict[str, list[float]],
+    data_root: Path,
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+) -> None:
+    # As test_resume.py does for the GPT under DDP, here in one process (the GPT's test
+    # covers the ranks; this one the llama's own state: its weights, rotary tables, AdamW).
+    # A long eval at step 7 holds the run just after the step-6 checkpoint (eval touches no
+    # training state, so the losses stay the reference's).
+    run_dir = tmp_path / "run"
+    held = golden_llama_config()
+    held["eval"] = {"every": 7, "steps": 200}
+    proc = runs.start(held, run_dir, data_root, subprocess_env, nproc=1)
+    done = run_dir / "checkpoints" / "step-6" / "DONE"
+    runs.wait_for(done.exists, 90, "the step-6 checkpoint", proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # a crash: no handler runs, nothing more is saved
+    proc.communicate()
+    assert not (run_dir / "checkpoints" / "step-12").exists(), "run finished before the kill"
+    assert 6 <= max(runs.losses(run_dir)) < STEPS
+
+    code, out = runs.run(golden_llama_config(), run_dir, data_root, subprocess_env, nproc=1)
+    assert code == 0, out
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-6'} at step 6" in out
+    resumed = runs.losses(run_dir)
+    # Steps 7..12 were recomputed after the resume: bit for bit those of the straight run.
+    assert [resumed[s] for s in range(1, STEPS + 1)] == llama_runs["single"]

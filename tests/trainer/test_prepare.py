@@ -14,6 +14,7 @@ import pytest
 from trainer.assets import make_corpus
 from trainer.data import DataError, TokenDataset, find_shards, open_shard
 from trainer.prepare import prepare, prepare_demo
+from trainer.tokenizer import TokenizerError, dataset_tokenizer
 
 TEXT = "Grüße aus Köln! 日本語も少し。\nThe quick brown fox jumps over the lazy dog.\n" * 40
 
@@ -200,11 +201,41 @@ def test_hf_tokenizer_round_trip(
     out = tmp_path / "data"
     res = _run(["--out", str(out), "--tokenizer", str(tj), str(src)], subprocess_env, repo_root)
     assert res.returncode == 0, res.stderr
-    assert f"vocab size {vocab} ({tj})" in res.stdout
+    assert f"vocab size {vocab} (tokenizer.json)" in res.stdout
     ids = np.concatenate([_tokens(out, "train"), _tokens(out, "val")])
     assert ids.max() >= 256  # merges were used, so this is not byte-level in disguise
     assert ids.size < len(text.encode("utf-8")) // 2
-    assert tok.decode(ids.tolist()) == text
+    # The dataset carries its tokenizer: a copy (0640), named relatively in meta.json.
+    copy = out / "tokenizer.json"
+    assert copy.read_bytes() == tj.read_bytes() and oct(copy.stat().st_mode & 0o777) == "0o640"
+    assert json.loads((out / "meta.json").read_text())["tokenizer"] == "tokenizer.json"
+    assert dataset_tokenizer(out) == copy
+    assert Tokenizer.from_file(str(dataset_tokenizer(out))).decode(ids.tolist()) == text
+
+    # Prepared again byte-level: the copy goes, or it would claim these shards.
+    res = _run(["--out", str(out), "--overwrite", str(src)], subprocess_env, repo_root)
+    assert res.returncode == 0, res.stderr
+    assert not copy.exists() and dataset_tokenizer(out) == "byte"
+
+
+def test_dataset_tokenizer_reads_old_meta_files(tmp_path: Path) -> None:
+    """Datasets prepared before the copy name the absolute path of the file used."""
+    old, used = tmp_path / "old", tmp_path / "elsewhere" / "tokenizer.json"
+    src = tmp_path / "a.txt"
+    src.write_text(TEXT)
+    prepare([src], old)
+    assert dataset_tokenizer(old) == "byte"
+    assert dataset_tokenizer(tmp_path / "hand-written") == "byte"  # shards, no meta.json
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "tokenizer": str(used)}))
+    with pytest.raises(TokenizerError, match="prepare it again"):
+        dataset_tokenizer(old)  # the file it names is gone
+    used.parent.mkdir()
+    used.write_text("{}")
+    assert dataset_tokenizer(old) == used
+    (old / "tokenizer.json").symlink_to(used)  # a copy is the dataset's own, never a link out
+    with pytest.raises(TokenizerError, match="links outside its dataset folder"):
+        dataset_tokenizer(old)
 
 
 def test_hf_vocab_must_fit_uint16(
