@@ -123,11 +123,18 @@ def _main(args: argparse.Namespace, run_dir: Path, env: TrainerEnv) -> int:
     from trainer.train import train
 
     try:
-        return train(cfg, run_dir, data_dir, env)
+        code = train(cfg, run_dir, data_dir, env)
     except (ConfigError, CheckpointError) as exc:
         return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc))
     except DataError as exc:
         return _known_failure(env, run_dir, ExitCode.DATA_ERROR, str(exc))
+    if code == ExitCode.OK and env.is_main:
+        # The finished run's Hugging Face folder (checkpoint.hf), from its last checkpoint on
+        # disk, after the process group and the training state are gone; never fails the run.
+        from trainer.publish import publish_final
+
+        publish_final(cfg, run_dir, data_dir)
+    return code
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ loaded from a state dict has nothing left uninitialized.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import LlamaConfig
+from trainer.model import cached_attention
 
 __all__ = ["Llama", "LlamaBlock", "rope_tables"]
 
@@ -69,6 +71,20 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer: int
+    ) -> torch.Tensor:
+        """``forward`` for tokens at positions ``cache.pos ..`` (``cos``/``sin`` of those
+        positions), attending to the cached keys and values too (trainer.generate)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.update(layer, k, v)
+        y = cached_attention(q, k, v, cache.pos, gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
@@ -95,6 +111,12 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer: int
+    ) -> torch.Tensor:
+        x = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -139,6 +161,23 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of tokens ``idx`` at positions ``cache.pos ..``, their
+        keys and values added to ``cache`` (a ``trainer.generate.KVCache``): incremental
+        decoding. The rotary tables are computed once per cache, for its whole length."""
+        start, T = cache.pos, idx.shape[1]
+        assert start + T <= cache.max_len, f"position {start + T} > cache length {cache.max_len}"
+        if cache.rope is None:
+            head_dim = self.cfg.d_model // self.cfg.n_head
+            cache.rope = rope_tables(head_dim, cache.max_len, self.cfg.rope_theta, idx.device)
+        cos, sin = cache.rope[0][start : start + T], cache.rope[1][start : start + T]
+        x = self.tok_embeddings(idx)
+        for layer, block in enumerate(self.blocks):
+            x = cast(LlamaBlock, block).forward_cached(x, cos, sin, cache, layer)
+        cache.advance(T)
+        return self.output(self.norm(x))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Distinct parameters (a tied output counted once); optionally without the embedding."""

@@ -9,6 +9,7 @@ caller decides when (and under which seed) weights are drawn.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +17,24 @@ from torch import nn
 
 from trainer.config import ModelConfig
 
-__all__ = ["GPT", "Block"]
+__all__ = ["GPT", "Block", "cached_attention"]
 
 INIT_STD = 0.02
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, gqa: bool = False
+) -> torch.Tensor:
+    """Causal attention of queries at positions ``start ..`` (``q`` ``[B, H, T, D]``) over
+    keys and values at positions ``0 .. start+T`` (the cache and the new tokens)."""
+    T = q.shape[2]
+    if T == 1:  # one new token sees everything before it: no mask
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if start == 0:  # the prompt: the training path's causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    rows = torch.arange(start, start + T, device=q.device)[:, None]
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class CausalSelfAttention(nn.Module):
@@ -34,6 +50,16 @@ class CausalSelfAttention(nn.Module):
         # [B, T, C] -> [B, heads, T, head_dim]
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward_cached(self, x: torch.Tensor, cache: Any, layer: int) -> torch.Tensor:
+        """``forward`` for tokens at positions ``cache.pos ...``: their keys and values join
+        the cache, and they attend to every cached position (generation; trainer.generate)."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        k, v = cache.update(layer, k, v)
+        y = cached_attention(q, k, v, cache.pos)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -59,6 +85,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: Any, layer: int) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.ln1(x), cache, layer)
         return x + self.mlp(self.ln2(x))
 
 
@@ -109,6 +139,20 @@ class GPT(nn.Module):
             return logits
         # The loss in fp32 even under bf16/fp16: log-softmax over a big vocab loses precision.
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of tokens ``idx`` at positions ``cache.pos ..``, their
+        keys and values added to ``cache`` (a ``trainer.generate.KVCache``): incremental
+        decoding. The training path (``forward``) is untouched."""
+        start, T = cache.pos, idx.shape[1]
+        assert start + T <= self.cfg.seq_len, f"position {start + T} > seq_len {self.cfg.seq_len}"
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for layer, block in enumerate(self.blocks):
+            x = cast(Block, block).forward_cached(x, cache, layer)
+        cache.advance(T)
+        return self.lm_head(self.ln_f(x))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Distinct parameters (the tied head counted once); optionally without the embeddings."""

@@ -17,6 +17,7 @@ from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from worker.context import WorkerContext
+from worker.generate import GenerationServer
 from worker.message import broker_queue, spec_queue
 from worker.registry import Registry
 from worker.settings import WorkerSettings
@@ -66,9 +67,11 @@ def configure(ctx: WorkerContext) -> Registry:
         task_default_queue=broker_queue(ctx.queues[0], ctx.settings.redis_prefix),
     )
     registry = Registry(ctx)
+    generation = GenerationServer(ctx)  # its threads import torch when a request comes
 
     def on_ready(**_: Any) -> None:
         registry.start()
+        generation.start()
 
     def on_shutting_down(**_: Any) -> None:
         # Warm shutdown (SIGTERM): Celery stops taking tasks and waits for the running ones;
@@ -76,6 +79,7 @@ def configure(ctx: WorkerContext) -> Registry:
         ctx.shut_down()
 
     def on_shutdown(**_: Any) -> None:
+        generation.stop()
         registry.stop()
 
     signals.worker_ready.connect(on_ready, weak=False)

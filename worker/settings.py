@@ -46,3 +46,11 @@ class WorkerSettings(BaseSettings):
     # rendezvous store); default: the host name.
     gang_timeout_s: float = Field(120.0, gt=0)
     advertise_host: str | None = None
+    # Generation (worker.generate): its own threads beside the training slots; loaded
+    # checkpoints kept in an LRU bounded by this many bytes of weights; the torch device.
+    generate_threads: int = Field(1, ge=1, le=16)
+    generate_cache_bytes: int = Field(2 * 1024**3, ge=0)
+    generate_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d{1,2})?|mps)$")
+    # torch's intra-op threads for generation (None: torch's default, one per core). On a
+    # host whose cores the training ranks keep busy, 1 avoids threads spinning on each other.
+    generate_torch_threads: int | None = Field(None, ge=1, le=256)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -30,13 +31,16 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from service.api import dashboard, telemetry
 from service.api.auth import ANONYMOUS, TokenCache
+from service.api.datasets_work import DatasetWork
 from service.api.db import make_async_reader, make_engine, make_sessionmaker
 from service.api.deps import Services
 from service.api.dispatch import Dispatcher
 from service.api.errors import PayloadTooLarge, TrainqError
 from service.api.ingest import Ingestor
 from service.api.reconcile import Reconciler
-from service.api.routes import health, jobs, streams, workers
+from service.api.routes import checkpoints as checkpoint_routes
+from service.api.routes import datasets as dataset_routes
+from service.api.routes import generate, health, jobs, streams, workers
 from service.api.settings import Settings
 from service.api.sse import StreamHub
 from service.api.submit import GroupCommit
@@ -88,6 +92,8 @@ class EdgeMiddleware:
                 self.observe("GET", FastJobGet.PATH, status, time.perf_counter() - start)
                 return
         limit = self.max_body
+        if scope["method"] == "POST" and scope["path"] == dataset_routes.UPLOAD_PATH:
+            limit = sys.maxsize  # streamed to disk; the route enforces the dataset limits
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
@@ -276,6 +282,7 @@ def build_services(settings: Settings) -> Services:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     services = build_services(settings)
+    datasets_work = DatasetWork(settings, services.sessions)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -303,6 +310,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop.set()
             for t in threads:
                 t.join(timeout=settings.ingest_block_ms / 1000 + 5)
+            await datasets_work.close()
             services.dispatcher.close()
             await services.hub.close()
             await services.aredis.aclose()
@@ -324,12 +332,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.services = services
+    app.state.datasets = datasets_work
     registry, observe = telemetry.build_registry(services)
     app.state.registry = registry
     _install_handlers(app)
     app.include_router(jobs.router)
     app.include_router(streams.router)
     app.include_router(workers.router)
+    app.include_router(checkpoint_routes.router)
+    app.include_router(dataset_routes.router)
+    app.include_router(generate.router)
     app.include_router(health.router)
     app.include_router(dashboard.router)
     app.add_middleware(

@@ -32,6 +32,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 __all__ = [
     "ACTIVE_ATTEMPT",
     "ATTEMPTS",
+    "DATASETS",
+    "DATASET_STATUSES",
     "JOBS",
     "LOGS",
     "METRICS",
@@ -39,6 +41,7 @@ __all__ = [
     "ApiToken",
     "Attempt",
     "Base",
+    "Dataset",
     "Job",
     "LogChunk",
     "Metric",
@@ -194,8 +197,41 @@ class ApiToken(Base):
     revoked_at: Mapped[datetime | None]
 
 
+DATASET_STATUSES = ("uploading", "preparing", "ready", "failed")
+
+
+class Dataset(Base):
+    """An uploaded corpus (service.api.datasets): its shards live in ``path``, relative to
+    the data root; the counts are known once it is ``ready``."""
+
+    __tablename__ = "datasets"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    format: Mapped[str] = mapped_column(String(8))  # text, jsonl or bin
+    tokenizer: Mapped[str] = mapped_column(String(1024))  # "byte" or a path under the data root
+    path: Mapped[str] = mapped_column(String(1024))
+    bytes: Mapped[int] = mapped_column(BigInteger)  # uploaded so far, then the upload's size
+    documents: Mapped[int | None] = mapped_column(BigInteger)
+    train_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    val_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    vocab_size: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]  # the uploading/preparing process's heartbeat
+    ready_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        UniqueConstraint("owner", "name"),
+        Index("ix_datasets_status_updated_at", "status", "updated_at"),
+    )
+
+
 # The tables, typed as such, for Core statements on the hot paths.
 JOBS = cast(Table, Job.__table__)
 ATTEMPTS = cast(Table, Attempt.__table__)
 METRICS = cast(Table, Metric.__table__)
 LOGS = cast(Table, LogChunk.__table__)
+DATASETS = cast(Table, Dataset.__table__)

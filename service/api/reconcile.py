@@ -16,6 +16,9 @@ replicas (a Redis lock with a token, released only by its holder).
   message. The store is the truth, the broker only carries; the worker's claim makes a
   duplicate harmless. Seen missing on two checks in a row, so a message that a worker has
   just taken and not yet claimed is not mistaken for a lost one.
+- A dataset left ``uploading`` or ``preparing`` by an API process that stopped beating for
+  ``dataset_stale_s`` is failed with a reason, and its work files removed
+  (``service.api.datasets.reap_stale``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.datasets import reap_stale
 from service.api.dispatch import Dispatcher, dispatch_attempts
 from service.api.models import ATTEMPTS, JOBS, utcnow
 from service.api.notify import publish_status, signal_stop
@@ -89,6 +93,8 @@ class Reconciler:
             return None
         try:
             done = {"sent": self.resend_unsent(), "lost": self.reap_lost()}
+            # Datasets whose uploading/preparing API process died (service.api.datasets).
+            reap_stale(self.sessions, self.settings.data_root, self.settings.dataset_stale_s)
             if orphans:
                 done["orphaned"] = self.resend_orphaned()
             return done

@@ -80,8 +80,19 @@ class Settings(BaseSettings):
     # A stream ends after this long (the client resumes with Last-Event-ID), so no stream
     # outlives a policy change by more than this.
     sse_max_lifetime_s: float = Field(3600.0, gt=0)
+    # Datasets (service.api.datasets): one upload's size, and all of an owner's uploads
+    # together; beyond, 413 naming the setting. Preparations run as this many processes at
+    # once; an uploading/preparing dataset whose process stops beating for stale_s fails.
+    dataset_max_upload_bytes: int = Field(8 * 1024**3, ge=1)
+    dataset_max_owner_bytes: int = Field(64 * 1024**3, ge=1)
+    dataset_prepare_workers: int = Field(2, ge=1, le=64)
+    dataset_heartbeat_s: float = Field(5.0, gt=0)
+    dataset_stale_s: float = Field(60.0, gt=0)
     log_line_max_chars: int = Field(8192, ge=80)
     log_chunk_max_lines: int = Field(1000, ge=1)
+    # Generation (POST /v1/completions): a worker stops a request this long after it was
+    # sent and answers 504; the API stops waiting a little after that.
+    generate_timeout_s: float = Field(120.0, gt=0, le=3600)
 
     @property
     def auth_enabled(self) -> bool:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from service.cli import artifacts, generate
 from service.cli.commands import register
 from service.local.demo import DEMO_STEPS
 
@@ -188,6 +189,8 @@ def up_cmd(
 # The HTTP client commands (submit, ls, status, logs, cancel, metrics, workers, data) live in
 # their own module, which imports only typer, httpx and yaml at this point.
 register(app)
+artifacts.register(app)  # checkpoints, download
+generate.register(app)  # generate
 
 
 def main() -> None:

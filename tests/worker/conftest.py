@@ -33,7 +33,7 @@ TINY: dict[str, Any] = {
     "batch": {"micro_batch_size": 4},
     "optim": {"lr": 1e-2, "warmup_steps": 2},
     "eval": {"every": 0},
-    "checkpoint": {"every": 10, "keep": 2},
+    "checkpoint": {"every": 10, "keep": 2, "hf": "none"},  # no HF folder: not tested here
 }
 
 

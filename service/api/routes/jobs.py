@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api import crud, job_json
 from service.api.auth import Principal
+from service.api.datasets import resolve_dataset
 from service.api.deps import PrincipalDep, Services, ServicesDep
 from service.api.errors import InvalidInput, NotFound, PayloadTooLarge
 from service.api.notify import publish_status, signal_cancel
@@ -96,7 +97,11 @@ def parse_spec(
             ],
         ) from exc
     train = spec.train
-    _check_data_path(train.data.path, data_root, ["data", "path"])
+    if train.data.dataset is None:
+        _check_data_path(train.data.path, data_root, ["data", "path"])
+    elif "path" in train.data.model_fields_set:
+        msg = "give data.dataset (an uploaded dataset) or data.path (a folder), not both"
+        raise InvalidInput.at(["body", "train", "data", "dataset"], msg)
     if isinstance(train.model, HFModelConfig):
         _check_data_path(train.model.path, data_root, ["model", "hf", "path"])
     if train.init is not None and train.init.path is not None:
@@ -139,8 +144,9 @@ def _check_init_job(services: Services, principal: Principal, job_id: str) -> No
 
 def _queue_devices(services: Services, queue: str) -> tuple[list[dict[str, Any]] | None, str]:
     """The devices of the live workers serving ``queue``, each ``{"memory_bytes": n}``, or
-    None and why not. A worker entry names its GPUs (``gpus``) but not their memory today;
-    an entry with ``gpu_memory_bytes`` (one per GPU, in ``gpus``' order) would supply it."""
+    None and why not. A GPU worker's entry lists ``gpu_memory_bytes`` (one per GPU, in
+    ``gpus``' order, from nvidia-smi: worker/registry.py); a CPU worker's, or one without
+    nvidia-smi, has none, and then the queue's devices are not known."""
     try:
         workers = [w for w in services.live_workers() if queue in (w.get("queues") or ())]
     except RedisError:
@@ -243,6 +249,9 @@ async def submit_job(
         spec = parse_spec(*args)
     if spec.train.init is not None and spec.train.init.job is not None:
         await run_in_threadpool(_check_init_job, services, principal, spec.train.init.job)
+    if spec.train.data.dataset is not None:  # frozen as its folder (service.api.datasets)
+        data_root = services.settings.data_root
+        spec = await run_in_threadpool(resolve_dataset, services.reader, data_root, principal, spec)
     if dry_run:
         return await run_in_threadpool(_plan_answer, services, spec)
     row = crud.job_row(principal, spec, idempotency_key)

@@ -4,7 +4,9 @@ import { api, ApiError } from "./api.js";
 import { ChartGrid, MetricStore } from "./charts.js";
 import { clock, dash, duration, el, num, parseTime, percent, si, statusPill, TERMINAL }
   from "./format.js";
+import { checkpointsPane } from "./checkpoints.js";
 import { LogPane } from "./logs.js";
+import { generateBox } from "./generate.js";
 import { follow } from "./sse.js";
 
 // The API downsamples history to this many points, so a 100,000-step run draws quickly.
@@ -91,6 +93,8 @@ export function mountJob(view, state, jobId, { points = HISTORY_POINTS } = {}) {
   const stats = el("div", { class: "stats card" });
   const attemptsBody = el("tbody");
   const logs = new LogPane();
+  const checkpoints = checkpointsPane(jobId, signal);
+  js.checkpoints = checkpoints; // tests read its items
   view.append(
     el("div", { class: "view-head" },
       el("a", { href: "#/", class: "back", text: "← Jobs" }),
@@ -108,7 +112,9 @@ export function mountJob(view, state, jobId, { points = HISTORY_POINTS } = {}) {
           "Duration", "Message"].map((c) =>
           el("th", { class: ["#", "Exit", "Duration"].includes(c) ? "num" : null, text: c })))),
         attemptsBody)),
+    checkpoints.node,
     logs.node,
+    generateBox(jobId, signal),
   );
 
   function renderJob(job) {
@@ -123,6 +129,7 @@ export function mountJob(view, state, jobId, { points = HISTORY_POINTS } = {}) {
     cancelButton.disabled = job.status === "cancelling";
     if (job.status === "cancelling") cancelButton.textContent = "Cancelling…";
     renderStats();
+    checkpoints.update(job);
     const attempts = job.attempts || [];
     attemptsBody.replaceChildren(...attempts.map(attemptRow));
     if (!attempts.length) {

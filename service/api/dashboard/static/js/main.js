@@ -1,8 +1,9 @@
-// The dashboard's entry point: a hash router (#/ and #/jobs/ID) and the token dialog.
+// The dashboard's entry point: a hash router (#/, #/jobs/ID, #/datasets) and the token dialog.
 //
 // window.__trainq is the page's state, read by the browser tests and the bench.
 
 import { getToken, onAuthNeeded, setToken } from "./api.js";
+import { mountDatasets } from "./datasets.js";
 import { mountJob } from "./job.js";
 import { mountJobs } from "./jobs.js";
 
@@ -33,6 +34,9 @@ function route() {
     const points = Number(new URLSearchParams(match[2] || "").get("points")) || undefined;
     state.route = { name: "job", id: decodeURIComponent(match[1]), points };
     unmount = mountJob(view, state, state.route.id, { points });
+  } else if (/^#\/datasets\/?$/.test(location.hash)) {
+    state.route = { name: "datasets" };
+    unmount = mountDatasets(view, state);
   } else {
     state.route = { name: "jobs" };
     state.job = null;

@@ -1,0 +1,274 @@
+"""Generation end to end: a tiny job trained by a real worker, then completions from its
+checkpoint through the API (OpenAI's shape), generated on that worker and relayed over Redis.
+
+One system for the module (``fast_system``: the API with auth on, PostgreSQL, Redis, one
+Celery worker) and one tiny training run shared by every test. The reference tokens come
+from the same checkpoint loaded here (``trainer.export.load_model``) and decoded greedily by
+``trainer.generate``, and from ``transformers``' ``generate`` on its Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.system import Api, System, create_token, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+QUEUE = "gen"
+IDLE_QUEUE = "gen-idle"  # no worker serves it
+SEQ_LEN = 48
+TRAIN: dict[str, Any] = {
+    "steps": 20,
+    "seed": 3,
+    "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": SEQ_LEN, "vocab_size": 256},
+    "data": {"path": "demo"},
+    "batch": {"micro_batch_size": 4},
+    "optim": {"lr": 1e-2, "warmup_steps": 2},
+    "eval": {"every": 0},
+    "checkpoint": {"every": 10, "keep": 2},
+    "log_every": 5,
+}
+PROMPT = "A cold wind came from the "
+
+
+class Gen:
+    def __init__(self, system: System, api: Api, other: Api) -> None:
+        self.system, self.api, self.other = system, api, other
+        self.runs_root = Path(system.env["TRAINQ_RUNS_ROOT"])
+
+    def submit(self, name: str, queue: str = QUEUE) -> str:
+        body = {"name": name, "queue": queue, "procs_per_node": 1, "train": TRAIN}
+        with self.api.client() as c:
+            r = c.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        return str(r.json()["id"])
+
+    def post(self, body: dict[str, Any], api: Api | None = None) -> httpx.Response:
+        with (api or self.api).client() as c:
+            return c.post("/v1/completions", json=body, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def gen(fast_system: System) -> Iterator[tuple[Gen, str]]:
+    api = fast_system.start_api(auth=True)
+    db = fast_system.env["TRAINQ_DATABASE_URL"]
+    api.token = create_token(db, "gen-user")
+    other = Api(api.url, api.proc, create_token(db, "gen-other"))
+    fast_system.start_worker(QUEUE, name="gen-worker")
+    g = Gen(fast_system, api, other)
+    job_id = g.submit("gen-tiny")
+
+    def done() -> bool:
+        with api.client() as c:
+            status = c.get(f"/v1/jobs/{job_id}").json()["status"]
+        assert status in ("queued", "running", "succeeded"), status
+        return status == "succeeded"
+
+    wait_for(done, 120, "the tiny training run", every=0.3)
+    yield g, job_id
+
+
+def reference(g: Gen, job_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    from trainer.export import load_model
+    from trainer.generate import Sampling, generate_ids
+
+    model, _ = load_model(g.runs_root / job_id)
+    params = Sampling(max_tokens=max_tokens, temperature=0)
+    return [int(t[0]) for t in generate_ids(model, prompt, params)]
+
+
+def test_greedy_completion_is_the_trainers_and_has_openais_shape(gen: tuple[Gen, str]) -> None:
+    g, job_id = gen
+    prompt = list(PROMPT.encode())
+    r = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == job_id and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert set(choice) >= {"text", "index", "logprobs", "finish_reason"}
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    expected = reference(g, job_id, prompt, 16)
+    assert choice["token_ids"] == expected
+    assert choice["text"] == bytes(expected).decode("utf-8", errors="replace")
+    usage = body["usage"]
+    assert usage == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 16,
+        "total_tokens": 16 + len(prompt),
+    }
+    assert body["trainq"]["step"] == 20 and body["trainq"]["load_s"] >= 0
+    # The second request finds the model loaded; token ids as the prompt give the same.
+    again = g.post({"model": f"{job_id}:20", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+    assert again.status_code == 200, again.text
+    assert again.json()["trainq"]["cached"] is True
+    assert again.json()["choices"][0]["token_ids"] == expected
+    # The alias in the job's path answers the same.
+    with g.api.client() as c:
+        alias = c.post(f"/v1/jobs/{job_id}/generate", json={"prompt": PROMPT, "max_tokens": 16,
+                                                              "temperature": 0})  # fmt: skip
+    assert alias.status_code == 200 and alias.json()["choices"][0]["token_ids"] == expected
+
+
+def test_greedy_equals_transformers_generate_on_the_hf_export(
+    gen: tuple[Gen, str], tmp_path: Path
+) -> None:
+    import torch
+    import transformers
+
+    from trainer.export import export, load_model
+
+    g, job_id = gen
+    model, _ = load_model(g.runs_root / job_id)
+    export(model, tmp_path / "hf", "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    prompt = list(PROMPT.encode())
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    r = g.post({"model": job_id, "prompt": prompt, "max_tokens": 20, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == out[0, len(prompt) :].tolist()
+
+
+def read_sse(response: httpx.Response) -> list[Any]:
+    out: list[Any] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_streamed_chunks_concatenate_to_the_answer_and_seeds_repeat(gen: tuple[Gen, str]) -> None:
+    g, job_id = gen
+    body = {"model": job_id, "prompt": PROMPT, "max_tokens": 20, "temperature": 0.9,
+            "top_k": 40, "top_p": 0.95, "seed": 11, "n": 2}  # fmt: skip
+    plain = g.post(body)
+    assert plain.status_code == 200, plain.text
+    texts = {c["index"]: c["text"] for c in plain.json()["choices"]}
+    assert g.post(body).json()["choices"] == plain.json()["choices"], "a seed repeats exactly"
+    with (
+        g.api.client() as c,
+        c.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                  "stream_options": {"include_usage": True}},
+                 timeout=60) as r,
+    ):  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = read_sse(r)
+    assert chunks[-1] == "[DONE]"
+    usage = chunks[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 40
+    streamed = {0: "", 1: ""}
+    finish = {}
+    for chunk in chunks[:-2]:
+        assert chunk["object"] == "text_completion" and chunk["model"] == job_id
+        for ch in chunk["choices"]:
+            streamed[ch["index"]] += ch["text"]
+            if ch["finish_reason"]:
+                finish[ch["index"]] = ch["finish_reason"]
+    assert streamed == texts
+    assert finish == {0: "length", 1: "length"}
+    # A stop string ends a sequence before it (and the stream says so).
+    stop = texts[0][5:7] if len(texts[0]) > 7 else None
+    if stop and stop.strip():
+        r = g.post({**body, "stop": [stop]})  # the same draws: the same text up to the stop
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+        assert texts[0].startswith(choice["text"])
+
+
+def test_bad_input_is_a_clear_4xx(gen: tuple[Gen, str]) -> None:
+    g, job_id = gen
+
+    def answer(body: dict[str, Any], api: Api | None = None) -> tuple[int, Any]:
+        r = g.post({"model": job_id, "prompt": PROMPT, **body}, api)
+        return r.status_code, r.json()["detail"]
+
+    status, detail = answer({"max_tokens": 4097})
+    assert status == 422 and detail[0]["loc"] == ["body", "max_tokens"]
+    status, detail = answer({"prompt": "x" * (SEQ_LEN + 1)})
+    assert (
+        status == 422 and detail[0]["loc"] == ["body", "prompt"] and "context" in detail[0]["msg"]
+    )
+    status, detail = answer({"prompt": list(range(SEQ_LEN + 1))})
+    assert status == 422 and detail[0]["loc"] == ["body", "prompt"]
+    status, detail = answer({"temperature": 2.5})
+    assert status == 422 and detail[0]["loc"] == ["body", "temperature"]
+    status, detail = answer({"model": "../etc"})
+    assert status == 422 and detail[0]["loc"] == ["body", "model"]
+    status, detail = answer({"echo": True})
+    assert status == 422 and "echo" in detail[0]["msg"]
+    with g.api.client() as c:
+        r = c.post(
+            "/v1/completions", content=b"\xff{", headers={"Content-Type": "application/json"}
+        )
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"]
+    status, detail = answer({"model": f"{job_id}:7"})
+    assert status == 404 and "step 7" in detail
+    status, detail = answer({}, g.other)
+    assert status == 404 and job_id in detail, "another token's job does not exist for it"
+    # A queued job (no worker serves its queue): no checkpoint yet, 409 naming why.
+    idle = g.submit("gen-idle", IDLE_QUEUE)
+    status, detail = answer({"model": idle})
+    assert status == 409 and "no complete checkpoint" in detail
+    # Given a checkpoint, the same job is a 503: no live worker serves its queue.
+    shutil.copytree(g.runs_root / job_id, g.runs_root / idle)
+    status, detail = answer({"model": idle})
+    assert status == 503 and IDLE_QUEUE in detail
+
+
+def test_the_cli_streams_what_the_api_answers(gen: tuple[Gen, str]) -> None:
+    import subprocess
+    import sys
+
+    g, job_id = gen
+    r = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+    env = {**g.system.env, "TRAINQ_URL": g.api.url, "TRAINQ_TOKEN": str(g.api.token)}
+    argv = [sys.executable, "-m", "service.cli", "generate", job_id, PROMPT]
+    argv += ["--max-tokens", "12", "--temperature", "0", "--stream"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == r.json()["choices"][0]["text"] + "\n"
+    bad = subprocess.run([*argv[:4], "ffff", PROMPT], env=env, capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert bad.returncode == 6 and bad.stderr.startswith("trainq: error:") and "ffff" in bad.stderr
+
+
+def test_a_passed_deadline_is_a_504_not_a_hang(gen: tuple[Gen, str]) -> None:
+    g, job_id = gen
+    # A second API on the same system whose requests are due at once.
+    g.system.env["TRAINQ_GENERATE_TIMEOUT_S"] = "0.001"
+    try:
+        hasty = g.system.start_api(auth=True)
+    finally:
+        del g.system.env["TRAINQ_GENERATE_TIMEOUT_S"]
+    hasty.token = g.api.token
+    r = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 30}, hasty)
+    assert r.status_code == 504 and "deadline" in r.json()["detail"], r.text
+    # The worker goes on serving the others.
+    ok = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_busy_training_slot_does_not_block_generation(gen: tuple[Gen, str]) -> None:
+    g, job_id = gen
+    body = {"name": "gen-endless", "queue": QUEUE, "procs_per_node": 1,
+            "train": {**TRAIN, "steps": 100_000, "checkpoint": {"every": 0}}}  # fmt: skip
+    with g.api.client() as c:
+        busy = c.post("/v1/jobs", json=body).json()["id"]
+
+        def running() -> bool:  # the worker's one Celery slot holds the attempt
+            return bool(c.get(f"/v1/jobs/{busy}").json()["status"] == "running")
+
+        wait_for(running, 60, "the worker's only slot to be training", every=0.2)
+        r = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert c.get(f"/v1/jobs/{busy}").json()["status"] == "running", "still training"
+        c.post(f"/v1/jobs/{busy}/cancel")

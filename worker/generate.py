@@ -1,0 +1,356 @@
+"""Generation on a worker: requests from the Redis streams of the worker's queues, answered
+on each request's reply stream (the wire: ``worker.genmessage``).
+
+``GenerationServer`` runs its own threads (``TRAINQ_GENERATE_THREADS``, default 1) beside
+Celery's training slots, so a busy slot never blocks generation. Each thread is a consumer
+of the group ``generate`` on every queue's request stream: one worker takes each request.
+A request is acked as it is read (at most once: the API has its own deadline, so a request
+lost with a dying worker is a 504, never a hang).
+
+Models are loaded from the job's checkpoint (``trainer.export.load_model``: any strategy,
+LoRA merged) and kept in an LRU bounded by ``TRAINQ_GENERATE_CACHE_BYTES`` (weights and
+buffers), so the next request to the same checkpoint starts at once; the load time is
+reported in the ``start`` event. Every failure is an ``error`` event with an HTTP status:
+no checkpoint 409, an unknown step 404, a checkpoint that cannot be loaded 409, a prompt
+longer than the context 422, the deadline 504, anything else 500.
+
+torch is imported by the generation threads only, when the first request arrives: a
+worker that never generates never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from worker.context import WorkerContext
+from worker.genmessage import (
+    FIELD,
+    GROUP,
+    GenerateRequest,
+    cancel_key,
+    encode_event,
+    error_event,
+    reply_stream,
+    request_stream,
+)
+
+__all__ = ["GenerateError", "GenerationServer", "ModelCache"]
+
+log = logging.getLogger(__name__)
+
+BLOCK_MS = 1000
+REPLY_TTL_S = 120  # past the deadline, a reply nobody read expires
+CANCEL_POLL_S = 0.25  # how often a streamed request looks for its cancel key
+
+
+class GenerateError(Exception):
+    def __init__(self, status: int, message: str, loc: list[str | int] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.loc = status, message, loc
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    step: int
+    nbytes: int
+    load_s: float
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    from trainer.checkpoint import checkpoint_dirs
+
+    return checkpoint_dirs(run_dir)
+
+
+class ModelCache:
+    """Loaded checkpoints, least recently used first out once over ``max_bytes``."""
+
+    def __init__(
+        self,
+        runs_root: Path,
+        data_root: Path,
+        max_bytes: int,
+        device: str,
+        torch_threads: int | None = None,
+    ) -> None:
+        self.runs_root, self.data_root = runs_root, data_root
+        self.max_bytes, self.device = max_bytes, device
+        self.torch_threads = torch_threads
+        self._models: OrderedDict[tuple[str, int, int], Loaded] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def checkpoint(self, job_id: str, step: int | None) -> tuple[int, Path]:
+        found = _checkpoints(self.runs_root / job_id)
+        if not found:
+            raise GenerateError(409, f"job {job_id} has no complete checkpoint yet")
+        if step is None:
+            return found[-1]
+        for s, path in found:
+            if s == step:
+                return s, path
+        have = ", ".join(str(s) for s, _ in found)
+        raise GenerateError(404, f"job {job_id} has no checkpoint at step {step} ({have})")
+
+    def get(self, job_id: str, step: int | None) -> tuple[Loaded, bool]:
+        """The model of the job's checkpoint (its newest when ``step`` is None), and whether
+        it was loaded already."""
+        s, path = self.checkpoint(job_id, step)
+        try:
+            stamp = (path / "DONE").stat().st_mtime_ns  # a step rewritten by a new run
+        except OSError:
+            stamp = 0
+        key = (job_id, s, stamp)
+        with self._lock:  # one load at a time; a second request for it waits, then hits
+            hit = self._models.get(key)
+            if hit is not None:
+                self._models.move_to_end(key)
+                return hit, True
+            loaded = self._load(job_id, path, s)
+            self._models[key] = loaded
+            while len(self._models) > 1 and self._total() > self.max_bytes:
+                self._models.popitem(last=False)
+            if self._total() > self.max_bytes:  # alone over the budget: used once, not kept
+                self._models.pop(key, None)
+            return loaded, False
+
+    def _total(self) -> int:
+        return sum(m.nbytes for m in self._models.values())
+
+    def _load(self, job_id: str, path: Path, step: int) -> Loaded:
+        import torch
+
+        from trainer.config import ConfigError, load_config, resolve_data_path
+        from trainer.export import ExportError, load_model
+        from trainer.generate import load_tokenizer
+
+        if self.torch_threads is not None and torch.get_num_threads() != self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        start = time.perf_counter()
+        run_dir = self.runs_root / job_id
+        try:
+            cfg = load_config(run_dir / "config.json")
+            tokenizer = load_tokenizer(resolve_data_path(cfg.data.path, self.data_root))
+            model, _ = load_model(run_dir, path, merge=True)
+        except (ExportError, ConfigError, OSError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise GenerateError(409, f"checkpoint step {step} cannot be loaded: {first}") from exc
+        model = model.to(self.device).eval()
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return Loaded(model, tokenizer, step, nbytes, time.perf_counter() - start)
+
+
+class GenerationServer:
+    def __init__(self, ctx: WorkerContext) -> None:
+        import redis
+
+        self.ctx = ctx
+        s = ctx.settings
+        self.prefix = s.redis_prefix
+        self.redis: Any = redis.Redis.from_url(
+            s.redis_url, socket_timeout=BLOCK_MS / 1000 + 5, socket_connect_timeout=2
+        )
+        self.streams = {request_stream(q, self.prefix): ">" for q in ctx.queues}
+        self.models = ModelCache(
+            Path(s.runs_root),
+            Path(s.data_root),
+            s.generate_cache_bytes,
+            s.generate_device,
+            s.generate_torch_threads,
+        )
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for i in range(self.ctx.settings.generate_threads):
+            t = threading.Thread(target=self._run, args=(i,), name=f"generate-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(BLOCK_MS / 1000 + 2)
+        self.redis.close()
+
+    def _groups(self) -> None:
+        import redis
+
+        for stream in self.streams:
+            try:  # from the stream's start: requests sent before any worker came are served
+                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def _run(self, index: int) -> None:
+        consumer = f"{self.ctx.name}-{index}"
+        ready = False
+        while not self._stop.is_set():
+            try:
+                if not ready:
+                    self._groups()
+                    ready = True
+                got = self.redis.xreadgroup(GROUP, consumer, self.streams, count=1, block=BLOCK_MS)
+            except Exception as exc:  # Redis away: try again shortly
+                log.warning("generation: reading requests failed: %s", exc)
+                ready = False
+                self._stop.wait(1.0)
+                continue
+            for stream, entries in got or ():
+                for entry_id, fields in entries:
+                    try:
+                        self.redis.xack(stream, GROUP, entry_id)
+                        self.redis.xdel(stream, entry_id)
+                    except Exception as exc:
+                        log.warning("generation: ack failed: %s", exc)
+                    self.serve(fields)
+
+    # ------------------------------------------------------------------------- one request
+
+    def serve(self, fields: dict[Any, Any]) -> None:
+        try:
+            req = GenerateRequest.from_entry(fields)
+        except (ValidationError, ValueError, TypeError) as exc:
+            self._refuse(fields, exc)
+            return
+        reply = reply_stream(req.id, self.prefix)
+        try:
+            self._serve(req, reply)
+        except GenerateError as exc:
+            self._send(reply, req, error_event(exc.status, exc.message, exc.loc))
+        except Exception as exc:
+            log.exception("generation %s on job %s failed", req.id, req.job_id)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self._send(reply, req, error_event(500, f"generation failed: {first}"))
+
+    def _refuse(self, fields: dict[Any, Any], exc: Exception) -> None:
+        """A request this worker cannot read (another version's API?): answered with an
+        error when its id can be found, so the API does not wait out its deadline."""
+        log.warning("generation: malformed request: %s", str(exc).splitlines()[0])
+        try:
+            raw = json.loads(fields.get(FIELD) or fields.get(FIELD.encode()) or "{}")
+            reply = reply_stream(str(raw.get("id")), self.prefix)
+        except (ValueError, TypeError, AttributeError):
+            return  # nobody to answer
+        event = error_event(500, f"the worker cannot read this request: {exc.__class__.__name__}")
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(reply, encode_event(event))
+                pipe.expire(reply, REPLY_TTL_S)
+                pipe.execute()
+        except Exception as err:
+            log.warning("generation: reply failed: %s", err)
+
+    def _send(self, reply: str, req: GenerateRequest, event: dict[str, Any]) -> None:
+        ttl = max(1, int(req.deadline - time.time()) + REPLY_TTL_S)
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(reply, encode_event(event))
+                pipe.expire(reply, ttl)
+                pipe.execute()
+        except Exception as exc:
+            log.warning("generation: reply to %s failed: %s", req.id, exc)
+
+    def _late(self, req: GenerateRequest, what: str) -> None:
+        if time.time() > req.deadline:
+            raise GenerateError(504, f"the generation deadline passed {what}")
+
+    def _serve(self, req: GenerateRequest, reply: str) -> None:
+        self._late(req, "before a worker took the request")
+        loaded, cached = self.models.get(req.job_id, req.step)
+        self._late(req, f"while loading the model ({loaded.load_s:.1f} s)")
+        from trainer.generate import GenerationStopped, Sampling, complete, context_length
+
+        model, tok = loaded.model, loaded.tokenizer
+        prompt = tok.encode(req.prompt) if req.prompt is not None else list(req.prompt_ids or [])
+        vocab = int(getattr(model.cfg, "vocab_size", 0) or model.vocab_size)
+        if not prompt:
+            raise GenerateError(422, "the prompt is empty", ["body", "prompt"])
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise GenerateError(422, f"token id {bad} is outside the vocabulary ({vocab})",
+                                ["body", "prompt"])  # fmt: skip
+        limit = context_length(model)
+        if len(prompt) > limit:
+            raise GenerateError(
+                422,
+                f"the prompt is {len(prompt)} tokens; the model's context is {limit}",
+                ["body", "prompt"],
+            )
+        params = Sampling(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=tuple(s for s in req.stop if s),
+            n=req.n,
+        )
+        start = {
+            "type": "start",
+            "step": loaded.step,
+            "load_s": round(loaded.load_s, 4),
+            "cached": cached,
+            "prompt_tokens": len(prompt),
+        }
+        self._send(reply, req, start)
+
+        cancel = cancel_key(req.id, self.prefix)
+        polled = [time.monotonic()]
+
+        def check(done: int) -> None:
+            if time.time() > req.deadline or self._stop.is_set():
+                raise GenerationStopped(f"the deadline passed after {done} tokens")
+            if req.stream and time.monotonic() - polled[0] > CANCEL_POLL_S:
+                polled[0] = time.monotonic()
+                if self.redis.exists(cancel):  # the client went away
+                    raise GenerationStopped(f"the client went away after {done} tokens")
+
+        def delta(items: list[tuple[int, str, list[int]]]) -> None:
+            self._send(reply, req, {"type": "delta", "choices": items})
+
+        began = time.perf_counter()
+        try:
+            result = complete(
+                model, tok, prompt, params, on_delta=delta if req.stream else None, check=check
+            )
+        except GenerationStopped as exc:
+            if self._stop.is_set():
+                raise GenerateError(503, f"the worker is shutting down: stopped {exc}") from exc
+            raise GenerateError(504, f"generation stopped: {exc}") from exc
+        gen_s = time.perf_counter() - began
+        end = {
+            "type": "end",
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in result.choices
+            ],
+            "usage": {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+            },
+            "seed": result.seed,
+            "generate_s": round(gen_s, 4),
+        }
+        self._send(reply, req, end)
+        log.info("generation %s: job %s step %d, %d tokens in %.2f s%s", req.id, req.job_id,
+                 loaded.step, result.completion_tokens, gen_s,
+                 "" if cached else f" (loaded in {loaded.load_s:.2f} s)")  # fmt: skip
