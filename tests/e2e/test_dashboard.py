@@ -297,3 +297,51 @@ def test_auth_on_token_entered_once(dash_browser: Any, dash_system: System, pg_u
         assert page.locator("#token-error").is_visible()
     finally:
         context.close()
+
+
+def test_datasets_checkpoints_and_generate_box(api: Api, worker: object, browser_page: Any) -> None:
+    """The #15 views in the browser: an uploaded dataset listed as ready, a finished job's
+    checkpoints table with its download links, and the generate box streaming the same
+    greedy text the API answers without streaming."""
+    page = browser_page
+    corpus = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
+    with api.client() as client:
+        up = client.post("/v1/datasets", params={"name": "dash-fox"}, content=corpus)
+        assert up.status_code in (201, 202), up.text
+        wait_for(
+            lambda: client.get("/v1/datasets/dash-fox").json()["status"] == "ready",
+            60,
+            "the dataset to be ready",
+        )
+        train = {**TRAIN, "steps": 6, "data": {"dataset": "dash-fox"}}
+        train["checkpoint"] = {"every": 3, "hf": "final"}
+        r = client.post("/v1/jobs", json={"name": "dash-done", "queue": "cpu", "train": train})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        wait_for(lambda: job_status(api, job_id) == "succeeded", 120, "the job to succeed", 0.5)
+        body = {"model": job_id, "prompt": "the quick", "max_tokens": 12, "temperature": 0}
+        answer = client.post("/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        greedy = answer.json()["choices"][0]["text"]
+
+    page.goto("/#/datasets")
+    row = page.locator('tr[data-dataset="dash-fox"]')
+    row.wait_for()
+    assert "ready" in row.inner_text()
+
+    page.goto(f"/#/jobs/{job_id}")
+    page.locator('.checkpoints tr[data-step="6"]').wait_for()
+    assert page.locator(".checkpoints tr[data-step]").count() == 2  # steps 3 and 6
+    assert page.locator('.checkpoints tr[data-step="6"] [data-format="hf"]').count() == 1
+    assert page.locator('.checkpoints tr[data-step="3"] [data-format="hf"]').count() == 0
+
+    page.locator(".gen-prompt").fill("the quick")
+    box = page.locator(".gen-prompt").locator("xpath=ancestor::section[1]")
+    box.locator('input[type="number"]').nth(0).fill("12")
+    box.locator('input[type="number"]').nth(1).fill("0")
+    page.get_by_role("button", name="Generate").click()
+    page.wait_for_function(
+        "t => document.querySelector('.gen-output').textContent === t", arg=greedy
+    )
+    assert all(url.startswith(api.url) for url in page.requests), page.requests
+    assert page.errors == []
