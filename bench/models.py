@@ -47,26 +47,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench._util import Launch, launch, step_rates, step_records, torchrun  # noqa: E402
 from trainer.prepare import prepare_demo  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 MIB = 1024 * 1024
 HF_FOLDER = "hf-llama"  # under the data root
 
@@ -169,7 +163,7 @@ def save_hf_folder(args: argparse.Namespace, folder: Path) -> int:
         num_key_value_heads=ours.kv_heads,
         max_position_embeddings=ours.seq_len,
         rms_norm_eps=ours.norm_eps,
-        rope_theta=ours.rope_theta,
+        rope_theta=ours.rope_theta,  # type: ignore[call-arg]  # 5.x: into rope_parameters
         tie_word_embeddings=ours.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
@@ -200,110 +194,14 @@ def _config(args: argparse.Namespace, model: dict[str, Any], ac: str = "none") -
 # --- running and measuring one job -------------------------------------------------------
 
 
-def _machine_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4], sum(fields)  # minus idle and iowait
-
-
-def _proc_stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, utime + stime ticks) of a process, None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return int(rest[1]), int(rest[11]) + int(rest[12])
-
-
-def _ranks_cpu(pid: int, launcher: bool) -> float:
-    """CPU seconds so far of the ranks: a launcher's children, or the process itself."""
-    if not launcher:
-        st = _proc_stat(str(pid))
-        return (st[1] if st else 0) / TICK
-    total = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _proc_stat(entry)) is not None and st[0] == pid:
-            total += st[1]
-    return total / TICK
-
-
-@dataclass
-class Launch:
-    samples: list[tuple[float, float]]  # (unix time, ranks' CPU seconds)
-    others: float
-    peak_rss: int
-
-
-def _launch(argv: list[str], log: Path, timeout: float, launcher: bool) -> Launch:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("TRAINQ_REDIS_URL", None)  # the bench measures the trainer, not a Redis
-    samples: list[tuple[float, float]] = []
-    busy0, total0 = _machine_ticks()
-    ours0 = os.times()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.05):
-            samples.append((time.time(), _ranks_cpu(proc.pid, launcher)))
-
-    def kill() -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    timer = threading.Timer(timeout, kill)
-    timer.start()
-    try:
-        # wait4, not Popen.wait: the rusage of this one child (and the descendants it reaped).
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-        done.set()
-        sampler.join()
-    proc.returncode = code = os.waitstatus_to_exitcode(status)
-    busy1, total1 = _machine_ticks()
-    ours1 = os.times()
-    if code != 0:
-        tail = "\n".join(log.read_text().splitlines()[-25:])
-        why = f"ran past {timeout:.0f} s" if code == -signal.SIGKILL else f"exit code {code}"
-        sys.exit(f"{' '.join(argv[-8:])} failed ({why}); last lines of {log}:\n{tail}")
-    ours = ours1.children_user + ours1.children_system - ours0.children_user - ours0.children_system
-    others = max(0.0, (busy1 - busy0) / TICK - ours) / max(1e-9, (total1 - total0) / TICK)
-    return Launch(samples, others, usage.ru_maxrss * 1024)  # Linux: KiB
-
-
 def _result(
     args: argparse.Namespace, nproc: int, stamps: list[float], run: Launch, losses: list[float]
 ) -> Result:
     if len(stamps) != args.warmup + args.steps:
         sys.exit(f"got {len(stamps)} step stamps, expected {args.warmup + args.steps}")
-    start, end = stamps[args.warmup - 1], stamps[-1]
-    tokens = (len(stamps) - args.warmup) * args.micro_batch * args.seq_len * nproc
-    t = np.array([s[0] for s in run.samples])
-    c = np.maximum.accumulate(np.array([s[1] for s in run.samples]))  # an exit drops ticks
-    cpu_s = float(np.interp(end, t, c) - np.interp(start, t, c))
-    return Result(
-        wall=tokens / (end - start),
-        cpu=tokens / max(1e-9, cpu_s / nproc),
-        others=run.others,
-        peak_rss=run.peak_rss,
-        losses=losses,
-    )
-
-
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc)]  # fmt: skip
+    tokens_per_step = args.micro_batch * args.seq_len * nproc
+    wall, cpu = step_rates(stamps, args.warmup, tokens_per_step, run, nproc)
+    return Result(wall=wall, cpu=cpu, others=run.others, peak_rss=run.peak_rss, losses=losses)
 
 
 def run_ours(
@@ -315,12 +213,11 @@ def run_ours(
     run_dir = work / f"run-{kind}-{n}"
     tail = ["-m", "trainer", "--config", str(cfg), "--run-dir", str(run_dir),
             "--data-root", str(work / "data")]  # fmt: skip
-    argv = [*_torchrun(nproc), *tail] if nproc > 1 else [sys.executable, *tail]
-    launch = _launch(argv, work / f"{kind}-{n}.log", args.timeout, launcher=nproc > 1)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    records = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    argv = [*torchrun(nproc), *tail] if nproc > 1 else [sys.executable, *tail]
+    run = launch(argv, work / f"{kind}-{n}.log", args.timeout, launcher=nproc > 1)
+    records = step_records(run_dir, args.warmup + args.steps)
     stamps = [float(r["time"]) for r in records]
-    result = _result(args, nproc, stamps, launch, [float(r["loss"]) for r in records])
+    result = _result(args, nproc, stamps, run, [float(r["loss"]) for r in records])
     steady = records[args.warmup :]
     result.own = statistics.median(float(r["tokens_per_s"]) for r in steady)
     result.mem_metric = int(records[-1]["mem_peak_bytes"])
@@ -331,7 +228,7 @@ def run_ours(
 def run_bare(args: argparse.Namespace, work: Path, kind: str, n: int) -> Result:
     out = work / f"{kind}-{n}.out.json"
     params = {
-        "impl": "hf" if kind == "bare-hf" else "ours",
+        "impl": "ours" if kind == "bare-llama" else "hf",
         "folder": str(work / "data" / HF_FOLDER),
         "llama": _llama(args),
         "seed": args.seed,
@@ -345,10 +242,10 @@ def run_bare(args: argparse.Namespace, work: Path, kind: str, n: int) -> Result:
     }
     pfile = work / f"{kind}-{n}.params.json"
     pfile.write_text(json.dumps(params))
-    argv = [*_torchrun(args.nproc), str(work / "bare_loop.py"), str(pfile)]
-    launch = _launch(argv, work / f"{kind}-{n}.log", args.timeout, launcher=True)
+    argv = [*torchrun(args.nproc), str(work / "bare_loop.py"), str(pfile)]
+    run = launch(argv, work / f"{kind}-{n}.log", args.timeout, launcher=True)
     got = json.loads(out.read_text())
-    return _result(args, args.nproc, got["time"], launch, got["loss"])
+    return _result(args, args.nproc, got["time"], run, got["loss"])
 
 
 # --- report ------------------------------------------------------------------------------
@@ -462,7 +359,8 @@ def main() -> None:
         (work / "bare_loop.py").write_text(BARE_LOOP)
         hf_model = {"family": "hf", "path": HF_FOLDER, "seq_len": args.seq_len}
 
-        kinds = ["ours-llama", "ours-hf", "bare-hf"] + (["bare-llama"] if args.bare_llama else [])
+        kinds = ["ours-llama", "ours-hf", "bare-hf"]
+        kinds += ["bare-llama"] if args.bare_llama else []
         fam: dict[str, list[Result]] = {k: [] for k in kinds}
         ac: dict[str, list[Result]] = {"ac-none": [], "ac-full": []}
         started = time.monotonic()

@@ -27,26 +27,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench._util import Launch, launch, step_rates, step_records, torchrun  # noqa: E402
 from trainer.prepare import prepare_demo  # noqa: E402
 
 KINDS = ("ours-ddp", "bare-ddp", "ours-fsdp")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -80,108 +75,23 @@ def _config(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     }
 
 
-def _machine_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4], sum(fields)  # minus idle and iowait
-
-
-def _proc_stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, utime + stime ticks) of a process, None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return int(rest[1]), int(rest[11]) + int(rest[12])
-
-
-def _ranks_cpu(launcher: int) -> float:
-    """CPU seconds so far of the launcher's children (the ranks), not the launcher itself."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _proc_stat(entry)) is not None and st[0] == launcher:
-            total += st[1]
-    return total / TICK
-
-
-def _run(argv: list[str], log: Path, timeout: float) -> tuple[list[tuple[float, float]], float]:
-    """Run one job: its (unix time, ranks' CPU seconds) samples and the others' CPU share."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("TRAINQ_REDIS_URL", None)  # the bench measures the trainer, not a Redis
-    samples: list[tuple[float, float]] = []
-    busy0, total0 = _machine_ticks()
-    ours0 = os.times()
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.wait(0.05):
-                samples.append((time.time(), _ranks_cpu(proc.pid)))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            sys.exit(f"{argv[3:]} ran past {timeout} s")
-        finally:
-            done.set()
-            sampler.join()
-    busy1, total1 = _machine_ticks()
-    ours1 = os.times()
-    if code != 0:
-        tail = "\n".join(log.read_text().splitlines()[-25:])
-        sys.exit(f"{argv[3:]} failed with exit code {code}; last lines:\n{tail}")
-    ours = ours1.children_user + ours1.children_system - ours0.children_user - ours0.children_system
-    others = max(0.0, (busy1 - busy0) / TICK - ours) / max(1e-9, (total1 - total0) / TICK)
-    return samples, others
-
-
 def _result(
-    args: argparse.Namespace,
-    stamps: list[float],
-    samples: list[tuple[float, float]],
-    others: float,
-    losses: list[float],
+    args: argparse.Namespace, stamps: list[float], run: Launch, losses: list[float]
 ) -> Result:
-    start, end = stamps[args.warmup - 1], stamps[-1]
-    tokens = (len(stamps) - args.warmup) * args.tokens_per_step
-    t = np.array([s[0] for s in samples])
-    c = np.maximum.accumulate(np.array([s[1] for s in samples]))  # a rank's exit drops its ticks
-    cpu_s = float(np.interp(end, t, c) - np.interp(start, t, c))
-    return Result(
-        wall=tokens / (end - start),
-        cpu=tokens / (cpu_s / args.nproc),
-        others=others,
-        losses=losses,
-    )
-
-
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc)]  # fmt: skip
+    wall, cpu = step_rates(stamps, args.warmup, args.tokens_per_step, run, args.nproc)
+    return Result(wall=wall, cpu=cpu, others=run.others, losses=losses)
 
 
 def run_ours(args: argparse.Namespace, work: Path, strategy: str, n: int) -> Result:
     cfg = work / f"ours-{strategy}-{n}.json"
     cfg.write_text(json.dumps(_config(args, strategy)))
     run_dir = work / f"run-{strategy}-{n}"
-    argv = [*_torchrun(args.nproc), "-m", "trainer", "--config", str(cfg),
+    argv = [*torchrun(args.nproc), "-m", "trainer", "--config", str(cfg),
             "--run-dir", str(run_dir), "--data-root", str(work / "data")]  # fmt: skip
-    samples, others = _run(argv, work / f"ours-{strategy}-{n}.log", args.timeout)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    records = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
-    if len(records) != args.warmup + args.steps:
-        sys.exit(f"{run_dir}/metrics.jsonl has {len(records)} step records, expected "
-                 f"{args.warmup + args.steps}")  # fmt: skip
+    run = launch(argv, work / f"ours-{strategy}-{n}.log", args.timeout, launcher=True)
+    records = step_records(run_dir, args.warmup + args.steps)
     stamps = [float(r["time"]) for r in records]
-    result = _result(args, stamps, samples, others, [float(r["loss"]) for r in records])
+    result = _result(args, stamps, run, [float(r["loss"]) for r in records])
     result.own = statistics.median(float(r["tokens_per_s"]) for r in records[args.warmup :])
     return result
 
@@ -190,11 +100,11 @@ def run_bare(args: argparse.Namespace, work: Path, n: int) -> Result:
     cfg = work / f"bare-{n}.json"
     cfg.write_text(json.dumps(_config(args, "ddp")))
     out = work / f"bare-{n}.out.json"
-    argv = [*_torchrun(args.nproc), str(REPO / "bench" / "bare_ddp.py"), "--config", str(cfg),
+    argv = [*torchrun(args.nproc), str(REPO / "bench" / "bare_ddp.py"), "--config", str(cfg),
             "--data", str(work / "data" / "demo"), "--out", str(out)]  # fmt: skip
-    samples, others = _run(argv, work / f"bare-{n}.log", args.timeout)
+    run = launch(argv, work / f"bare-{n}.log", args.timeout, launcher=True)
     got = json.loads(out.read_text())
-    return _result(args, got["time"], samples, others, got["loss"])
+    return _result(args, got["time"], run, got["loss"])
 
 
 def _report(args: argparse.Namespace, results: dict[str, list[Result]], elapsed: float) -> None:

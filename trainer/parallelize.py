@@ -120,8 +120,19 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> DDP:
+    """DDP with two options off their defaults, for what every family here is:
+
+    - ``gradient_as_bucket_view``: the gradients are views into DDP's reduction buckets,
+      not separate tensors copied in before and out after each all-reduce (one copy of
+      every gradient less per step, and its memory);
+    - ``broadcast_buffers=False``: no broadcast of the module's buffers from rank 0 before
+      every forward (a collective and a sync point per step). The buffers of these models
+      are constants (a transformers model's rotary ``inv_freq``; the native families have
+      none) that DDP's constructor has already made equal on every rank, and that training
+      does not change (no batch-norm statistics), as FSDP2 never broadcasts them either.
+    """
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids)
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
 def apply_fsdp(
