@@ -24,6 +24,7 @@ CLI prints it as one line on stderr and exits 1.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 import tempfile
@@ -37,6 +38,7 @@ import numpy as np
 
 from trainer.data import META_FILE, DataError, write_shard
 from trainer.files import make_dirs, set_mode
+from trainer.shard_stream import ShardStream, val_tokens
 from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
 __all__ = ["PrepareSummary", "main", "prepare", "prepare_demo"]
@@ -46,6 +48,8 @@ UINT16_VOCAB = 1 << 16
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c's shard size
 # Text is handed to a HF tokenizer in chunks of whole lines, so memory stays bounded.
 _CHUNK_CHARS = 1 << 20
+# Byte-level text is checked and turned into tokens in pieces this size.
+_CHUNK_BYTES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class PrepareSummary:
         return asdict(self)
 
 
-def _read_text(path: Path) -> str:
+def _read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -80,22 +84,42 @@ def _read_text(path: Path) -> str:
         raise DataError(f"input file {path}: cannot read: {exc.strerror}") from exc
     if not raw:
         raise DataError(f"input file {path} is empty")
+    return raw
+
+
+def _not_utf8(path: Path, raw: bytes, exc: UnicodeDecodeError) -> DataError:
+    return DataError(
+        f"input file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+    )
+
+
+def _read_text(path: Path) -> str:
+    raw = _read_bytes(path)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(
-            f"input file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
-            f"{exc.start})"
-        ) from None
+        raise _not_utf8(path, raw, exc) from None
 
 
-class _ByteTokenizer:
-    name = BYTE
-    vocab_size = BYTE_VOCAB
-    text: str | None = None  # nothing to copy into the dataset
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+def _read_utf8(path: Path) -> bytes:
+    """The file's bytes, checked to be UTF-8 a chunk at a time (no str of it all is kept:
+    byte-level tokens are the bytes themselves)."""
+    raw = _read_bytes(path)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for start in range(0, len(raw), _CHUNK_BYTES):
+            chunk = raw[start : start + _CHUNK_BYTES]
+            # ASCII is UTF-8: checked at memory speed, unless a character is pending
+            if not (chunk.isascii() and not decoder.getstate()[0]):
+                decoder.decode(chunk, False)
+        decoder.decode(b"", True)
+    except UnicodeDecodeError:
+        try:  # rare: decode it whole, for the offset
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _not_utf8(path, raw, exc) from None
+        raise  # pragma: no cover (the whole text decodes only if every chunk did)
+    return raw
 
 
 class _HFTokenizer:
@@ -174,27 +198,16 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"output {out} exists and is not a directory")
-    tok: _ByteTokenizer | _HFTokenizer = (
-        _ByteTokenizer() if tokenizer is None else _HFTokenizer(Path(tokenizer))
-    )
+    if tokenizer is None:
+        return _prepare_bytes(files, out, val_fraction, shard_tokens, overwrite)
+    tok = _HFTokenizer(Path(tokenizer))
     texts = [_read_text(Path(f)) for f in files]  # read all first: fail before writing anything
     parts = [tok.encode(t) for t in texts]
     tokens = np.concatenate(parts)
     if tokens.size == 0:
         raise DataError("the input files produced no tokens")
-    n_val = round(tokens.size * val_fraction)
-    if val_fraction > 0 and n_val == 0:
-        n_val = 1
-    if n_val >= tokens.size:
-        raise DataError(
-            f"{tokens.size} tokens are too few to split off a val fraction of {val_fraction}"
-        )
-    existing = sorted([*out.glob("train*.bin"), *out.glob("val*.bin")]) if out.is_dir() else []
-    if existing and not overwrite:
-        raise DataError(
-            f"output {out} already holds shards ({existing[0].name}, ...); "
-            f"choose an empty folder or pass --overwrite"
-        )
+    n_val = _val_tokens(tokens.size, val_fraction)
+    existing = _existing(out, overwrite)
     try:
         make_dirs(out)
         for old in existing:
@@ -212,6 +225,64 @@ def prepare(
         _write_tokenizer(out, tok.text)
         _write_json(out / META_FILE, summary.to_dict())
     except OSError as exc:
+        raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
+    return summary
+
+
+def _val_tokens(total: int, val_fraction: float) -> int:
+    try:
+        return val_tokens(total, val_fraction)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+
+
+def _existing(out: Path, overwrite: bool) -> list[Path]:
+    existing = sorted([*out.glob("train*.bin"), *out.glob("val*.bin")]) if out.is_dir() else []
+    if existing and not overwrite:
+        raise DataError(
+            f"output {out} already holds shards ({existing[0].name}, ...); "
+            f"choose an empty folder or pass --overwrite"
+        )
+    return existing
+
+
+def _prepare_bytes(
+    files: Sequence[str | Path], out: Path, val_fraction: float, shard_tokens: int, overwrite: bool
+) -> PrepareSummary:
+    """Byte-level: the tokens are the files' bytes, so no text is decoded into a str and
+    encoded back, and the shards are written a piece at a time (trainer.shard_stream)."""
+    raws = [_read_utf8(Path(f)) for f in files]  # read all first: fail before writing anything
+    total = sum(len(r) for r in raws)
+    n_train = total - _val_tokens(total, val_fraction)
+    existing = _existing(out, overwrite)
+    streams: list[ShardStream] = []
+    try:
+        make_dirs(out)
+        for old in existing:
+            old.unlink()
+        train = ShardStream(out, "train", shard_tokens)
+        val = ShardStream(out, "val", shard_tokens)
+        streams = [train, val]
+        for raw in raws:
+            for start in range(0, len(raw), _CHUNK_BYTES):
+                chunk = memoryview(raw)[start : start + _CHUNK_BYTES]
+                room = n_train - train.tokens
+                train.append_bytes(chunk[:room])
+                val.append_bytes(chunk[room:])
+        summary = PrepareSummary(
+            out=str(out),
+            tokenizer=BYTE,
+            vocab_size=BYTE_VOCAB,
+            train_tokens=train.tokens,
+            val_tokens=val.tokens,
+            train_shards=train.close(),
+            val_shards=val.close(),
+        )
+        _write_tokenizer(out, None)
+        _write_json(out / META_FILE, summary.to_dict())
+    except OSError as exc:
+        for stream in streams:
+            stream.discard()
         raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
     return summary
 

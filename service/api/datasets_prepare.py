@@ -2,15 +2,24 @@
 
 ``python -m service.api.datasets_prepare --format text|jsonl|bin --src FILE --out DIR
 --dataset-path datasets/KEY/NAME [--val-fraction F] [--tokenizer FILE] [--vocab-size N]
-[--wait-go]`` (started while the upload streams in, so its imports overlap it; it begins
-when ``go`` arrives on stdin, and exits doing nothing on anything else).
+[--wait-go] [--shard-tokens N]`` (started while the upload streams in, so its imports
+overlap it; it begins when ``go`` arrives on stdin, and exits doing nothing on anything
+else).
 
-text and jsonl (already reduced to text by the upload's check) go through
-``trainer.prepare.prepare`` as a library; bin (llm.c shards back to back, already checked)
-is re-sharded: all tokens in upload order, the last ``val_fraction`` of them the val split,
-as ``prepare`` splits text. The folder gets what ``prepare`` writes (shards, ``meta.json``,
-``tokenizer.json`` for a Hugging Face tokenizer), with ``meta.json``'s ``out`` the dataset's
-folder under the data root rather than this work folder.
+Byte-level text and jsonl (already reduced to text by the upload's check) started with
+``--wait-go`` are prepared while they arrive: the child follows the upload's file as it
+grows, turning each piece into tokens appended to the train shards
+(``trainer.shard_stream``); at ``go`` (the upload complete and checked) it reads to the
+end, moves the last ``val_fraction`` of the tokens to the val shards and writes the
+headers, so ``ready`` follows the last byte closely. The shards are byte for byte what
+``trainer.prepare.prepare`` writes for the same file. Anything but ``go`` (``stop``, or
+stdin closed) ends it with nothing printed. Otherwise (a Hugging Face tokenizer, or no
+warm child) text and jsonl go through ``trainer.prepare.prepare`` as a library; bin
+(llm.c shards back to back, already checked) is re-sharded: all tokens in upload order,
+the last ``val_fraction`` of them the val split, as ``prepare`` splits text. The folder
+gets what ``prepare`` writes (shards, ``meta.json``, ``tokenizer.json`` for a Hugging Face
+tokenizer), with ``meta.json``'s ``out`` the dataset's folder under the data root rather
+than this work folder.
 
 The last line on stdout is one JSON object: ``{"ok": true, ...counts}`` or ``{"ok": false,
 "error": "..."}`` (no work path in it). Imports numpy (and ``tokenizers`` for a Hugging Face
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import sys
 import tempfile
@@ -34,7 +44,9 @@ import numpy as np
 
 from trainer.data import HEADER_INTS, META_FILE, DataError, write_shard
 from trainer.files import make_dirs, set_mode
-from trainer.prepare import DEFAULT_SHARD_TOKENS, prepare
+from trainer.prepare import BYTE_VOCAB, DEFAULT_SHARD_TOKENS, PrepareSummary, prepare
+from trainer.shard_stream import ShardStream, val_tokens
+from trainer.tokenizer import BYTE
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -97,13 +109,86 @@ def reshard(
     return summary
 
 
+# Following an upload: read in pieces this size; look at stdin this often when caught up;
+# fsync what was written when caught up with more than this unsynced.
+_FOLLOW_BYTES = 1 << 22
+_FOLLOW_WAIT_S = 0.02
+_SYNC_BYTES = 1 << 25
+
+
+class _Stdin:
+    """``go`` or anything else, on stdin, looked at without blocking."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.said: str | None = None  # the first line, once it came (or "" at end of input)
+
+    def poll(self, timeout: float) -> str | None:
+        if self.said is None and select.select([0], [], [], timeout)[0]:
+            data = os.read(0, 64)
+            self._buf += data
+            if b"\n" in self._buf or not data:
+                self.said = self._buf.split(b"\n", 1)[0].decode("ascii", "replace").strip()
+        return self.said
+
+
+def follow(args: argparse.Namespace, stdin: _Stdin) -> dict[str, Any] | None:
+    """Byte-level preparation while the upload arrives; None if called off."""
+    src, out = Path(args.src), Path(args.out)
+    while not src.exists():  # the API creates it just after starting this process
+        if stdin.poll(_FOLLOW_WAIT_S) is not None and not src.exists():
+            return None
+    train = ShardStream(out, "train", args.shard_tokens)
+    val = ShardStream(out, "val", args.shard_tokens)
+    try:
+        with src.open("rb", buffering=0) as f:
+            while True:
+                data = f.read(_FOLLOW_BYTES)
+                if data:
+                    train.append_bytes(data)
+                    continue
+                said = stdin.said
+                if said is not None:  # said before this read, which found the end
+                    break
+                train.sync(_SYNC_BYTES)
+                stdin.poll(_FOLLOW_WAIT_S)
+        if said != "go":
+            train.discard()
+            return None
+        total = train.tokens
+        if total == 0:
+            raise DataError("the input files produced no tokens")
+        train.move_tail(total - val_tokens(total, args.val_fraction), val)
+        summary = PrepareSummary(
+            out=args.dataset_path,  # where it will be, not this work folder
+            tokenizer=BYTE,
+            vocab_size=BYTE_VOCAB,
+            train_tokens=train.tokens,
+            val_tokens=val.tokens,
+            train_shards=train.close(),
+            val_shards=val.close(),
+        ).to_dict()
+    except BaseException:
+        train.discard()
+        val.discard()
+        raise
+    _write_json(out / META_FILE, summary)
+    return summary
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     src, out = Path(args.src), Path(args.out)
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
     if args.format == "bin":
         summary = reshard(src, out, args.val_fraction, args.vocab_size, tokenizer)
     else:
-        prepared = prepare([src], out, val_fraction=args.val_fraction, tokenizer=tokenizer)
+        prepared = prepare(
+            [src],
+            out,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+            tokenizer=tokenizer,
+        )
         summary = prepared.to_dict()
     summary["out"] = args.dataset_path  # where it will be, not this work folder
     _write_json(out / META_FILE, summary)
@@ -120,11 +205,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--wait-go", action="store_true", help="start, then wait for go on stdin")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     args = p.parse_args(argv)
-    if args.wait_go and sys.stdin.readline().strip() != "go":
-        return 0  # the upload failed: nothing to prepare
+    streamed = args.wait_go and args.format != "bin" and not args.tokenizer
     try:
-        result: dict[str, Any] = {"ok": True, **run(args)}
+        if streamed:
+            followed = follow(args, _Stdin())
+            if followed is None:
+                return 0  # the upload failed: nothing to prepare
+            result: dict[str, Any] = {"ok": True, **followed}
+        else:
+            if args.wait_go and sys.stdin.readline().strip() != "go":
+                return 0  # the upload failed: nothing to prepare
+            result = {"ok": True, **run(args)}
     except (DataError, OSError, ValueError) as exc:
         message = str(exc).replace(args.src, "the upload").replace(args.out, "the dataset")
         result = {"ok": False, "error": message or exc.__class__.__name__}

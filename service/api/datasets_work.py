@@ -106,21 +106,26 @@ class DatasetWork:
         self, row: dict[str, Any], tokenizer: Path | None, vocab_size: int, val_fraction: float
     ) -> None:
         """Start the dataset's child now (at most ``dataset_prepare_workers`` so waiting):
-        its interpreter and imports (~0.5 s) overlap the upload. It waits, idle, for ``go``
-        on stdin, which it gets once the upload is complete and a preparation slot free."""
+        its interpreter and imports (~0.5 s) overlap the upload. It gets ``go`` on stdin
+        once the upload is complete and a preparation slot free; till then a byte-level
+        text or jsonl child prepares the bytes already written (service.api.datasets_prepare),
+        the others wait idle."""
         if len(self._warm) >= self.settings.dataset_prepare_workers:
             return
         argv = [*self._argv(row, tokenizer, vocab_size, val_fraction), "--wait-go"]
         self._warm[row["id"]] = await self._spawn(argv, stdin=asyncio.subprocess.PIPE)
 
     async def cool(self, dataset_id: str) -> None:
-        """The upload failed: its warm child goes, and its slot with it."""
+        """The upload failed: its warm child goes, and its slot with it, and what it had
+        prepared of the upload so far (a byte-level child prepares while the upload comes)."""
         proc = self._warm.pop(dataset_id, None)
         if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         await proc.communicate(b"")  # closes its pipes too
+        _, out = datasets.work_paths(self.data_root, dataset_id)
+        await run_in_threadpool(shutil.rmtree, out, ignore_errors=True)
 
     def start_prepare(
         self, row: dict[str, Any], tokenizer: Path | None, vocab_size: int, val_fraction: float

@@ -9,10 +9,14 @@ folders under the session's data root are their own.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import numpy as np
@@ -23,6 +27,7 @@ from service.api.datasets import folder_of, owner_key, work_paths
 from service.api.models import DATASETS, new_job_id, utcnow
 from tests.api.support import Api
 from trainer.data import TokenDataset, write_shard
+from trainer.prepare import prepare
 
 TEXT = "Hello, wörld! ñandú 🐍\n" * 400  # multi-byte characters, 10,400 bytes
 
@@ -328,3 +333,75 @@ def test_a_hugging_face_tokenizer_under_the_data_root_prepares_and_travels(
     assert small.status_code == 422 and f"vocab size {vocab}" in small.text
     need = upload(api, b"", name="b", format="bin", tokenizer=folder.name)
     assert need.json()["detail"][0]["loc"] == ["query", "vocab_size"]
+
+
+def _same_as_prepare(folder: Path, bare: Path, dataset_path: str) -> None:
+    """Every shard byte for byte, and meta.json as prepare writes it (``out`` aside: the
+    dataset's folder under the data root)."""
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == sorted(p.name for p in bare.iterdir())
+    for name in names:
+        if name != "meta.json":
+            assert (folder / name).read_bytes() == (bare / name).read_bytes(), name
+    meta = {**json.loads((bare / "meta.json").read_text()), "out": dataset_path}
+    assert (folder / "meta.json").read_text() == json.dumps(meta, indent=2) + "\n"
+
+
+def test_byte_level_uploads_are_prepared_as_trainer_prepare_prepares_them(
+    api: Api, tmp_path: Path
+) -> None:
+    """Byte-level text and jsonl are prepared while they arrive (the child follows the
+    upload's file); the folder is what ``trainer.prepare`` makes of the same bytes."""
+    raw = ("Hello, wörld! ñandú 🐍 " * 3000).encode()  # 81,000 bytes
+    pieces = [raw[i : i + 10_007] for i in range(0, len(raw), 10_007)]  # split characters
+    found = ready(api, iter(pieces), name="streamed", val_fraction=0.25)
+    (tmp_path / "raw.txt").write_bytes(raw)
+    prepare([tmp_path / "raw.txt"], tmp_path / "bare", val_fraction=0.25)
+    folder = Path(api.settings.data_root) / found["path"]
+    _same_as_prepare(folder, tmp_path / "bare", found["path"])
+
+    texts = ["first ✓", "second\nrecord", "third"] * 100
+    body = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    found = ready(api, body, name="lines", format="jsonl")
+    (tmp_path / "texts.txt").write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    prepare([tmp_path / "texts.txt"], tmp_path / "bare-lines")
+    folder = Path(api.settings.data_root) / found["path"]
+    _same_as_prepare(folder, tmp_path / "bare-lines", found["path"])
+
+
+def _child(tmp_path: Path, env: dict[str, str], shard_tokens: int) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "service.api.datasets_prepare", "--format", "text"]
+    argv += ["--src", str(tmp_path / "up"), "--out", str(tmp_path / "out")]
+    argv += ["--dataset-path", "datasets/k/n", "--val-fraction", "0.3", "--wait-go"]
+    argv += ["--shard-tokens", str(shard_tokens)]
+    return subprocess.Popen(argv, env=env, stdin=PIPE, stdout=PIPE, stderr=PIPE)
+
+
+def test_the_preparing_child_follows_a_growing_upload_into_several_shards(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """The child started with the upload: tokens appended as the file grows, at ``go`` the
+    tail moved to val across shard boundaries; prepare's shards for the same options. Told
+    anything else, it leaves nothing."""
+    raw = ("añb 日本\n" * 40).encode()  # 480 bytes: 48 train shards of 7, then 21 val
+    child = _child(tmp_path, subprocess_env, 7)
+    with (tmp_path / "up").open("wb") as f:
+        f.write(raw[:201])  # mid-character
+        f.flush()
+        time.sleep(0.5)  # the child reads this much before the rest comes
+        f.write(raw[201:])
+    out, err = child.communicate(b"go\n", timeout=60)
+    result = json.loads(out.decode().splitlines()[-1])
+    assert result["ok"] is True, err
+    assert (result["train_shards"], result["val_shards"]) == (48, 21)
+    prepare([tmp_path / "up"], tmp_path / "bare", val_fraction=0.3, shard_tokens=7)
+    _same_as_prepare(tmp_path / "out", tmp_path / "bare", "datasets/k/n")
+
+    shutil.rmtree(tmp_path / "out")
+    (tmp_path / "up").unlink()
+    child = _child(tmp_path, subprocess_env, 7)
+    (tmp_path / "up").write_bytes(raw)
+    time.sleep(0.5)
+    out, err = child.communicate(b"stop\n", timeout=60)
+    assert child.returncode == 0 and out == b"", err
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

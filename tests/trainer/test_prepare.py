@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from trainer.assets import make_corpus
-from trainer.data import DataError, TokenDataset, find_shards, open_shard
+from trainer.data import DataError, TokenDataset, find_shards, open_shard, write_shard
 from trainer.prepare import prepare, prepare_demo
+from trainer.shard_stream import ShardStream
 from trainer.tokenizer import TokenizerError, dataset_tokenizer
 
 TEXT = "Grüße aus Köln! 日本語も少し。\nThe quick brown fox jumps over the lazy dog.\n" * 40
@@ -270,3 +271,79 @@ def test_demo_corpus_is_generated_and_shards(tmp_path: Path) -> None:
     assert bytes(tokens.astype(np.uint8)).decode("utf-8") == text
     prepare_demo(out)  # idempotent: a second `trainq up --demo` simply rewrites it
     assert TokenDataset(out, "train", 64).num_samples == train.num_samples
+
+
+def _written(tokens: np.ndarray, folder: Path, split: str, shard_tokens: int) -> dict[str, bytes]:
+    """What write_shard writes for ``tokens`` cut every ``shard_tokens``: the oracle."""
+    files = {}
+    for n, start in enumerate(range(0, tokens.size, shard_tokens)):
+        path = folder / f"{split}_{n:06d}.bin"
+        write_shard(path, tokens[start : start + shard_tokens])
+        files[path.name] = path.read_bytes()
+    return files
+
+
+def _bins(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix == ".bin"}
+
+
+@pytest.mark.parametrize(
+    ("sizes", "val_fraction", "shard_tokens"),
+    [((1000,), 0.1, 100), ((997, 3), 0.1, 1000), ((640,), 0.0, 64), ((333, 333), 0.5, 7)],
+    ids=["exact-shards", "one-shard", "no-val", "many-small"],
+)
+def test_byte_level_shards_are_what_write_shard_writes_for_the_bytes(
+    tmp_path: Path, sizes: tuple[int, ...], val_fraction: float, shard_tokens: int
+) -> None:
+    """The byte path streams pieces of the files into shards (no str of the text); the
+    shards are byte for byte write_shard's of the files' bytes, split and cut as before."""
+    rng = np.random.default_rng(len(sizes))
+    chars = np.array(list("aé\nñ日z"))
+    files, raw = [], b""
+    for i, n in enumerate(sizes):
+        text = "".join(rng.choice(chars, size=n)).encode()
+        (tmp_path / f"{i}.txt").write_bytes(text)
+        files.append(tmp_path / f"{i}.txt")
+        raw += text
+    summary = prepare(files, tmp_path / "out", val_fraction=val_fraction, shard_tokens=shard_tokens)
+    tokens = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+    n_val = max(round(tokens.size * val_fraction), 1 if val_fraction else 0)
+    want = tmp_path / "want"
+    expected = _written(tokens[: tokens.size - n_val], want, "train", shard_tokens)
+    expected |= _written(tokens[tokens.size - n_val :], want, "val", shard_tokens)
+    assert _bins(tmp_path / "out") == expected
+    assert (summary.train_tokens, summary.val_tokens) == (tokens.size - n_val, n_val)
+    assert summary.train_shards == sum(k.startswith("train") for k in expected)
+    assert summary.val_shards == sum(k.startswith("val") for k in expected)
+    assert [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_bad_byte_past_the_first_piece_is_named_at_its_offset(tmp_path: Path) -> None:
+    """The byte path checks UTF-8 a piece (4 MiB) at a time; the offset stays the file's."""
+    src = tmp_path / "big.txt"
+    src.write_bytes(b"a" * ((1 << 22) - 1) + "ñ".encode() + b"ok\xffrest")
+    with pytest.raises(DataError, match=rf"byte 0xff at offset {(1 << 22) + 3}\)"):
+        prepare([src], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("total", "keep", "shard_tokens"), [(50, 45, 10), (50, 40, 10), (7, 1, 3)])
+def test_a_stream_moves_its_tail_to_another(
+    tmp_path: Path, total: int, keep: int, shard_tokens: int
+) -> None:
+    """What an upload prepared as it arrives relies on: all the tokens into train, then the
+    last ones moved to val; the same shards as the two splits written directly."""
+    tokens = np.arange(total, dtype=np.uint16) * 300
+    train = ShardStream(tmp_path / "out", "train", shard_tokens)
+    for piece in np.array_split(tokens, 4):
+        train.append_tokens(piece)
+    val = ShardStream(tmp_path / "out", "val", shard_tokens)
+    train.move_tail(keep, val)
+    assert (train.close(), val.close()) == (
+        -(-keep // shard_tokens),
+        -(-(total - keep) // shard_tokens),
+    )
+    expected = _written(tokens[:keep], tmp_path / "want", "train", shard_tokens)
+    expected |= _written(tokens[keep:], tmp_path / "want", "val", shard_tokens)
+    assert _bins(tmp_path / "out") == expected
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(expected)
