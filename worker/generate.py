@@ -68,9 +68,14 @@ class Loaded:
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    from trainer.checkpoint import checkpoint_dirs
+    from trainer.checkpoint import DONE, checkpoint_dirs
 
-    return checkpoint_dirs(run_dir)
+    # A link planted in the run folder (the run folder, checkpoints/, a step-N or its DONE)
+    # would load files from outside it: such a checkpoint is none, as the API lists it.
+    if run_dir.is_symlink() or (run_dir / "checkpoints").is_symlink():
+        return []
+    found = checkpoint_dirs(run_dir)
+    return [(s, p) for s, p in found if not p.is_symlink() and not (p / DONE).is_symlink()]
 
 
 class ModelCache:

@@ -45,6 +45,7 @@ __all__ = [
     "Found",
     "checkpoint_list",
     "checkpoints_dir",
+    "complete_steps",
     "open_format",
     "resolve_step",
     "scan_checkpoints",
@@ -126,7 +127,7 @@ def checkpoints_dir(runs_root: Path, job_id: str) -> int | None:
             os.close(fd)
 
 
-def _steps(ck_fd: int) -> list[int]:
+def complete_steps(ck_fd: int) -> list[int]:
     """The complete checkpoints' steps (a real folder step-N holding a plain DONE)."""
     found = []
     with os.scandir(ck_fd) as entries:
@@ -154,7 +155,7 @@ def _closing(fd: int) -> Iterator[int]:
 
 def resolve_step(ck_fd: int, step: int | None) -> int | None:
     """``step`` if it is a complete checkpoint, the latest one for None; else None."""
-    steps = _steps(ck_fd)
+    steps = complete_steps(ck_fd)
     if step is None:
         return steps[-1] if steps else None
     return step if step in steps else None
@@ -263,7 +264,7 @@ def scan_checkpoints(runs_root: Path, job_id: str) -> list[Found]:
         return []
     found: list[Found] = []
     with _closing(ck_fd):
-        for step in _steps(ck_fd):
+        for step in complete_steps(ck_fd):
             native = open_format(ck_fd, step, "native")
             if native is None:
                 continue  # pruned since it was listed

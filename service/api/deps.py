@@ -46,6 +46,7 @@ class Services:
     keys: Keys
     _workers: tuple[float, list[dict[str, Any]]] = (0.0, [])
     _workers_lock: threading.Lock = field(default_factory=threading.Lock)
+    generating: dict[str, int] = field(default_factory=dict)  # generations in flight by owner
 
     def live_workers(self, max_age_s: float = 1.0) -> list[dict[str, Any]]:
         """Workers seen within ``worker_stale_s``; cached briefly (pending reasons)."""

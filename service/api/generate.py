@@ -12,6 +12,7 @@ event carrying the HTTP status, which becomes this request's answer.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 from sqlalchemy import select
 
 from service.api.auth import Principal
+from service.api.checkpoints import checkpoints_dir, complete_steps
 from service.api.deps import Services
 from service.api.errors import Conflict, InvalidInput, NotFound, TrainqError, Unavailable
 from service.api.models import JOBS
@@ -147,19 +149,18 @@ def parse_model(model: str) -> tuple[str, int | None]:
     return job_id, (int(step) if step else None)
 
 
-def _steps(run_dir: Path) -> list[int]:
-    """Complete checkpoints' steps (trainer.checkpoint's layout; read without torch)."""
-    root = run_dir / "checkpoints"
+def _steps(runs_root: Path, job_id: str) -> list[int]:
+    """Complete checkpoints' steps, read as the checkpoint routes read them: no link is
+    followed (a run folder, checkpoints folder or step-N that is a link counts as none)."""
+    ck_fd = checkpoints_dir(runs_root, job_id)
+    if ck_fd is None:
+        return []
     try:
-        names = [p.name for p in root.iterdir()]
+        return complete_steps(ck_fd)
     except OSError:
         return []
-    steps = []
-    for name in names:
-        n = name.removeprefix("step-")
-        if name.startswith("step-") and n.isdigit() and (root / name / "DONE").is_file():
-            steps.append(int(n))
-    return sorted(steps)
+    finally:
+        os.close(ck_fd)
 
 
 def prepare(
@@ -180,7 +181,7 @@ def prepare(
     queue, train, status = row
     model = _MODEL.validate_python((train or {}).get("model") or {})
     seq_len = int(model.seq_len)
-    steps = _steps(services.settings.runs_root / job_id)
+    steps = _steps(services.settings.runs_root, job_id)
     if not steps:
         raise Conflict(f"job {job_id} ({status}) has no complete checkpoint yet")
     if step is not None and step not in steps:

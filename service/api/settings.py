@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     # Generation (POST /v1/completions): a worker stops a request this long after it was
     # sent and answers 504; the API stops waiting a little after that.
     generate_timeout_s: float = Field(120.0, gt=0, le=3600)
+    # Generation requests one owner may have in flight on one API process (more: 429).
+    generate_max_per_owner: int = Field(8, ge=1)
+    # A dataset upload whose body sends nothing for this long is cut (408).
+    dataset_upload_idle_s: float = Field(60.0, gt=0)
 
     @property
     def auth_enabled(self) -> bool:

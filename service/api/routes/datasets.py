@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
@@ -19,7 +20,7 @@ from service.api.datasets import ACTIVE, DatasetList, DatasetOut, Format
 from service.api.datasets_upload import Refused, UploadSink, make_check
 from service.api.datasets_work import DatasetWork
 from service.api.deps import PrincipalDep, Services, ServicesDep
-from service.api.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from service.api.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, TrainqError
 from service.api.models import DATASETS
 from service.api.routes import errors
 
@@ -78,7 +79,13 @@ def _over(what: str, limit: int, setting: str) -> PayloadTooLarge:
     UPLOAD_PATH,
     status_code=202,
     response_model=DatasetOut,
-    responses=errors(401, 409),
+    responses={
+        **errors(401, 409),
+        408: {
+            "description": "the upload's body stalled (TRAINQ_DATASET_UPLOAD_IDLE_S)",
+            "model": errors(401)[401]["model"],
+        },
+    },
     openapi_extra=_BODY,
 )
 async def upload_dataset(
@@ -148,7 +155,7 @@ async def upload_dataset(
         sink = await run_in_threadpool(UploadSink, upload, make_check(format, vocab))
         # One buffer written (and checked) on a worker thread while the next one arrives.
         buf, received = bytearray(), 0
-        async for chunk in request.stream():
+        async for chunk in _idle_bounded(request, settings.dataset_upload_idle_s):
             buf += chunk
             received += len(chunk)
             if received > limit:
@@ -195,6 +202,26 @@ async def upload_dataset(
     row.update(values)
     work.start_prepare(row, tok_file, vocab, val_fraction)
     return _json(datasets.dataset_out(row), 202)
+
+
+class UploadIdle(TrainqError):
+    status_code = 408
+
+
+async def _idle_bounded(request: Request, idle_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks; an upload that sends nothing for ``idle_s`` (a slow client
+    holding a row and a warm preparation child) ends with a 408."""
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UploadIdle(
+                f"the upload sent nothing for {idle_s:g} s (TRAINQ_DATASET_UPLOAD_IDLE_S)"
+            ) from None
+        yield chunk
 
 
 def _discard(services: Services, sink: UploadSink | None, upload: FsPath, dataset_id: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.auth import Principal
 from service.api.deps import PrincipalDep, Services, ServicesDep
-from service.api.errors import InvalidInput, TrainqError
+from service.api.errors import InvalidInput, TooManyRequests, TrainqError
 from service.api.generate import (
     CompletionRequest,
     GenerateBody,
@@ -45,7 +45,7 @@ router = APIRouter(tags=["generate"])
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RESPONSES: dict[int | str, Any] = {
-    **errors(401, 404, 409),
+    **errors(401, 404, 409, 429),
     504: {"description": "the generation deadline passed (TRAINQ_GENERATE_TIMEOUT_S)"},
     200: {
         "description": "a text_completion object, or with stream=true its chunks as SSE",
@@ -119,26 +119,61 @@ async def _generate(
     body: GenerateBody,
     model: str,
 ) -> Response:
-    target, request = await run_in_threadpool(prepare, services, principal, job_id, step, body)
-    relay = Relay(services, target, request)
-    await relay.send()
-    events = relay.events()
+    release = _admit(services, principal.name)
+    streaming = False
     try:
-        start = await anext(events)  # an error before the first token is this answer's status
-        if not body.stream:
-            end = start
-            async for event in events:
-                end = event
-            return _json(completion_json(request.id, model, start, end))
-    except BaseException:
-        await relay.close()
-        raise
-    usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(
-        _stream(relay, events, request.id, model, start, usage),
-        media_type="text/event-stream",
-        headers=STREAM_HEADERS,
-    )
+        target, request = await run_in_threadpool(prepare, services, principal, job_id, step, body)
+        relay = Relay(services, target, request)
+        await relay.send()
+        events = relay.events()
+        try:
+            start = await anext(events)  # an error before the first token is this status
+            if not body.stream:
+                end = start
+                async for event in events:
+                    end = event
+                return _json(completion_json(request.id, model, start, end))
+        except BaseException:
+            await relay.close()
+            raise
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        response = StreamingResponse(
+            _stream(relay, events, request.id, model, start, usage, release),
+            media_type="text/event-stream",
+            headers=STREAM_HEADERS,
+        )
+        streaming = True  # the stream releases its count when it ends
+        return response
+    finally:
+        if not streaming:
+            release()
+
+
+def _admit(services: Services, owner: str) -> Callable[[], None]:
+    """Count one generation of ``owner`` in flight on this process, or refuse it (429):
+    each holds a worker's generation thread, so one tenant cannot take them all."""
+    inflight = services.generating
+    limit = services.settings.generate_max_per_owner
+    if inflight.get(owner, 0) >= limit:
+        raise TooManyRequests(
+            f"{owner!r} has {limit} generation requests in flight already"
+            " (TRAINQ_GENERATE_MAX_PER_OWNER); wait for one to end",
+            retry_after=5,
+        )
+    inflight[owner] = inflight.get(owner, 0) + 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            left = inflight.get(owner, 1) - 1
+            if left > 0:
+                inflight[owner] = left
+            else:
+                inflight.pop(owner, None)
+
+    return release
 
 
 def _choice(index: int, text: str, finish: str | None, ids: list[int]) -> dict[str, Any]:
@@ -157,6 +192,7 @@ async def _stream(
     model: str,
     start: dict[str, Any],
     include_usage: bool,
+    release: Callable[[], None],
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     head = {
@@ -184,4 +220,5 @@ async def _stream(
         yield sse_chunk({"error": {"message": exc.message, "type": type(exc).__name__,
                                    "code": exc.status_code}})  # fmt: skip
     finally:
+        release()
         await relay.close()
