@@ -102,14 +102,20 @@ class RedisDBs:
     def url(self, n: int) -> str:
         return f"redis://{REDIS_HOST}:{REDIS_PORT}/{n}"
 
-    def release(self) -> None:
+    def give_back(self, n: int) -> None:
+        """Database ``n`` emptied and free for the next claim (a module's system is done)."""
         import redis
 
-        for n in self.claimed:
-            redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
-            key = f"trainq-test:db:{n}"
-            if self._admin.get(key) == self._token.encode():
-                self._admin.delete(key)
+        redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
+        key = f"trainq-test:db:{n}"
+        if self._admin.get(key) == self._token.encode():
+            self._admin.delete(key)
+        if n in self.claimed:
+            self.claimed.remove(n)
+
+    def release(self) -> None:
+        for n in list(self.claimed):
+            self.give_back(n)
 
 
 @pytest.fixture(scope="session")

@@ -125,6 +125,10 @@ class System:
     prefix: str
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    # The Redis databases build_system claimed for this system alone: given back by stop(),
+    # so that the session's 14 test databases outlast any number of test modules.
+    dbs: RedisDBs | None = None
+    claimed: list[int] = field(default_factory=list)
 
     def start_api(self, *, auth: bool) -> Api:
         port = free_port()
@@ -172,6 +176,11 @@ class System:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+        self.procs.clear()
+        if self.dbs is not None:
+            for n in self.claimed:
+                self.dbs.give_back(n)
+        self.claimed.clear()
 
 
 def build_system(
@@ -190,8 +199,10 @@ def build_system(
 
     data_root = root / "data"
     prepare_demo(data_root / "demo")
+    claimed: list[int] = []
     if redis_urls is None:
-        redis_urls = (redis_dbs.url(redis_dbs.claim()), redis_dbs.url(redis_dbs.claim()))
+        claimed = [redis_dbs.claim(), redis_dbs.claim()]
+        redis_urls = (redis_dbs.url(claimed[0]), redis_dbs.url(claimed[1]))
     redis_url, broker_url = redis_urls
     prefix = "trainq"
     env = {
@@ -207,7 +218,7 @@ def build_system(
     log_dir = root / "logs"
     log_dir.mkdir()
     upgrade(pg_url)  # what `trainq db upgrade` runs; a no-op if another module already did
-    return System(env, redis_url, prefix, log_dir)
+    return System(env, redis_url, prefix, log_dir, dbs=redis_dbs, claimed=claimed)
 
 
 def create_token(database_url: str, owner: str) -> str:

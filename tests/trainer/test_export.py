@@ -16,7 +16,7 @@ import torch
 from tests.trainer import runs
 from trainer.config import TrainConfig
 from trainer.data import BatchSampler, TokenDataset
-from trainer.export import ExportError, load_model
+from trainer.export import ATOL, ExportError, load_model
 
 
 def _val_loss(model: torch.nn.Module, cfg: TrainConfig, data_root: Path, world: int) -> float:
@@ -89,7 +89,9 @@ def test_export_reproduces_the_logits(fsdp_run: Path, tmp_path: Path, suffix: st
         session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
         got = torch.from_numpy(session.run(["logits"], {"tokens": tokens.numpy()})[0])
     assert got.shape == (5, 11, model.cfg.vocab_size)
-    assert torch.allclose(got, expected, atol=1e-5)
+    # The export's own stated tolerance (fp32, absolute): ONNX Runtime's kernels sum in
+    # another order than torch's, ~1e-5 apart on logits of magnitude ~3.
+    assert (got - expected).abs().max().item() <= ATOL
 
 
 def test_a_run_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
