@@ -77,6 +77,14 @@ class InvalidInput(TrainqError):
     def at(cls, loc: list[str | int], message: str) -> InvalidInput:
         return cls(message, [{"loc": loc, "msg": message, "type": "value_error"}])
 
+    @classmethod
+    def of_body(cls, message: str, exc: Any) -> InvalidInput:
+        """A pydantic ``ValidationError`` of a request body: each error's loc under "body"."""
+        errors = [
+            {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()
+        ]
+        return cls(message, errors)
+
 
 class TooManyRequests(TrainqError):
     status_code = 429

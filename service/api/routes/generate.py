@@ -77,13 +77,7 @@ async def _read(request: Request, model: type[B]) -> B:
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        raise InvalidInput(
-            "invalid generation request",
-            [
-                {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
-                for e in exc.errors()
-            ],
-        ) from exc
+        raise InvalidInput.of_body("invalid generation request", exc) from exc
 
 
 @router.post("/v1/completions", responses=_RESPONSES, openapi_extra=_body_doc(CompletionRequest))

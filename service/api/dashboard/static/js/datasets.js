@@ -1,7 +1,7 @@
 // The datasets table: GET /v1/datasets polled every three seconds while the view is open.
 // Status (with the reason a failed one carries), who owns it, and its counts once ready.
 
-import { api } from "./api.js";
+import { mountPolledTable } from "./table.js";
 import { age, dash, el, si, statusPill } from "./format.js";
 
 const POLL_MS = 3000;
@@ -40,48 +40,10 @@ function row(d) {
 }
 
 export function mountDatasets(view, state) {
-  const tbody = el("tbody");
-  const footer = el("p", { class: "muted small" });
-  const table = el("table", { class: "grid datasets" },
-    el("thead", {}, el("tr", {}, COLUMNS.map((c) =>
-      el("th", { class: NUMERIC.has(c) ? "num" : null, text: c })))), tbody);
-  view.append(
-    el("div", { class: "view-head" }, el("h1", { text: "Datasets" }), footer),
-    el("section", { class: "card flush" }, table),
-  );
-  state.datasets = { polls: 0, names: [], error: null };
-  let timer = 0;
-  let stopped = false;
-  const controller = new AbortController();
-
-  async function poll() {
-    try {
-      const page = await api("/v1/datasets", { signal: controller.signal });
-      const items = page.items || [];
-      tbody.replaceChildren(...items.map(row));
-      if (!items.length) {
-        tbody.append(el("tr", {}, el("td", { colspan: COLUMNS.length, class: "empty",
-          text: "No datasets yet. Upload one with trainq data upload FILE --name NAME." })));
-      }
-      state.datasets.names = items.map((d) => d.name);
-      state.datasets.error = null;
-      footer.textContent = `${items.length} dataset${items.length === 1 ? "" : "s"}` +
-        ` · updated ${new Date().toLocaleTimeString()}`;
-      state.setConn("ok");
-    } catch (err) {
-      if (stopped) return;
-      state.datasets.error = err.message;
-      footer.textContent = `Could not load datasets: ${err.message}`;
-      state.setConn(err.status === 401 ? "auth" : "error");
-    } finally {
-      state.datasets.polls += 1;
-      if (!stopped) timer = setTimeout(poll, POLL_MS);
-    }
-  }
-  poll();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-    controller.abort();
-  };
+  return mountPolledTable(view, state, {
+    key: "datasets", title: "Datasets", className: "datasets", columns: COLUMNS,
+    numeric: NUMERIC, url: "/v1/datasets", pollMs: POLL_MS, row, noun: "dataset",
+    empty: "No datasets yet. Upload one with trainq data upload FILE --name NAME.",
+    idsKey: "names", idOf: (d) => d.name,
+  });
 }

@@ -1,6 +1,6 @@
 // The jobs table: GET /v1/jobs polled every two seconds while the view is open.
 
-import { api } from "./api.js";
+import { mountPolledTable } from "./table.js";
 import { age, dash, el, num, percent, si, statusPill } from "./format.js";
 
 const POLL_MS = 2000;
@@ -39,48 +39,10 @@ function row(job) {
 }
 
 export function mountJobs(view, state) {
-  const tbody = el("tbody");
-  const footer = el("p", { class: "muted small" });
-  const table = el("table", { class: "grid jobs" },
-    el("thead", {}, el("tr", {}, COLUMNS.map((c) =>
-      el("th", { class: NUMERIC.has(c) ? "num" : null, text: c })))), tbody);
-  view.append(
-    el("div", { class: "view-head" }, el("h1", { text: "Jobs" }), footer),
-    el("section", { class: "card flush" }, table),
-  );
-  state.jobs = { polls: 0, ids: [], error: null };
-  let timer = 0;
-  let stopped = false;
-  const controller = new AbortController();
-
-  async function poll() {
-    try {
-      const page = await api("/v1/jobs?limit=100", { signal: controller.signal });
-      const items = page.items || [];
-      tbody.replaceChildren(...items.map(row));
-      if (!items.length) {
-        tbody.append(el("tr", {}, el("td", { colspan: COLUMNS.length, class: "empty",
-          text: "No jobs yet. Submit one with POST /v1/jobs." })));
-      }
-      state.jobs.ids = items.map((j) => j.id);
-      state.jobs.error = null;
-      footer.textContent = `${items.length} job${items.length === 1 ? "" : "s"}` +
-        `${page.next_cursor ? " (newest 100)" : ""} · updated ${new Date().toLocaleTimeString()}`;
-      state.setConn("ok");
-    } catch (err) {
-      if (stopped) return;
-      state.jobs.error = err.message;
-      footer.textContent = `Could not load jobs: ${err.message}`;
-      state.setConn(err.status === 401 ? "auth" : "error");
-    } finally {
-      state.jobs.polls += 1;
-      if (!stopped) timer = setTimeout(poll, POLL_MS);
-    }
-  }
-  poll();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-    controller.abort();
-  };
+  return mountPolledTable(view, state, {
+    key: "jobs", title: "Jobs", className: "jobs", columns: COLUMNS, numeric: NUMERIC,
+    url: "/v1/jobs?limit=100", pollMs: POLL_MS, row, noun: "job",
+    empty: "No jobs yet. Submit one with POST /v1/jobs.",
+    idsKey: "ids", idOf: (j) => j.id, note: (page) => (page.next_cursor ? " (newest 100)" : ""),
+  });
 }
