@@ -37,6 +37,7 @@ from service.api.deps import Services
 from service.api.dispatch import Dispatcher
 from service.api.errors import PayloadTooLarge, TrainqError
 from service.api.ingest import Ingestor
+from service.api.ratelimit import SubmitLimits
 from service.api.reconcile import Reconciler
 from service.api.routes import checkpoints as checkpoint_routes
 from service.api.routes import datasets as dataset_routes
@@ -276,6 +277,7 @@ def build_services(settings: Settings) -> Services:
         submits=GroupCommit(areader, dispatcher) if areader is not None else None,
         tokens=TokenCache(reader.connect, settings.token_cache_s),
         keys=Keys(settings.redis_prefix),
+        limits=SubmitLimits(settings, sync, settings.redis_prefix),
     )
 
 

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from service.api.auth import ANONYMOUS, Principal, TokenCache
 from service.api.db import AsyncReader
 from service.api.dispatch import Dispatcher
+from service.api.ratelimit import SubmitLimits
 from service.api.settings import Settings
 from service.api.sse import StreamHub
 from service.api.submit import GroupCommit
@@ -47,6 +48,7 @@ class Services:
     _workers: tuple[float, list[dict[str, Any]]] = (0.0, [])
     _workers_lock: threading.Lock = field(default_factory=threading.Lock)
     generating: dict[str, int] = field(default_factory=dict)  # generations in flight by owner
+    limits: SubmitLimits | None = None  # per-owner submit limits (service.api.ratelimit)
 
     def live_workers(self, max_age_s: float = 1.0) -> list[dict[str, Any]]:
         """Workers seen within ``worker_stale_s``; cached briefly (pending reasons)."""

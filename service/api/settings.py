@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     generate_max_per_owner: int = Field(8, ge=1)
     # A dataset upload whose body sends nothing for this long is cut (408).
     dataset_upload_idle_s: float = Field(60.0, gt=0)
+    # Submit limits per owner (service.api.ratelimit); beyond, 429 naming the setting; 0: none.
+    # Submits per window (the window is a minute; tests shorten it), counted in Redis.
+    submits_per_minute: int = Field(100_000, ge=0)
+    submit_window_s: float = Field(60.0, gt=0)
+    max_queued_per_owner: int = Field(100_000, ge=0)  # the owner's jobs in status queued
 
     @property
     def auth_enabled(self) -> bool:

@@ -40,6 +40,7 @@ from service.cli.errors import (
     Invalid,
     NotFound,
     NotTrainq,
+    RateLimited,
     TooLarge,
     Unauthorized,
     Unavailable,
@@ -68,6 +69,7 @@ __all__ = [
     "Invalid",
     "NotFound",
     "NotTrainq",
+    "RateLimited",
     "SseEvent",
     "TooLarge",
     "Unauthorized",
@@ -184,6 +186,11 @@ class Client:
         if response.status_code in (404, 405, 501) and not is_trainq_error(body):
             raise self._not_trainq(response, f"HTTP {response.status_code}")
         message = describe_error(response.status_code, body, what)
+        if response.status_code == 429:
+            retry = _retry_after(response.headers.get("retry-after"))
+            if retry is not None and "retry after" not in message:
+                message += f"; retry after {retry:g} s"
+            raise RateLimited(message, 429, retry)
         cls = STATUS_ERRORS.get(response.status_code)
         if cls is None:
             cls = Unavailable if response.status_code >= 500 else ApiError
@@ -434,6 +441,15 @@ class Client:
 def _job_path(job_id: str, *rest: str) -> str:
     """/v1/jobs/{id}[/...]: the id quoted as one path segment, whatever was typed."""
     return "/".join(("/v1/jobs", quote(job_id, safe=""), *rest))
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A Retry-After of delta-seconds (trainq's form); None if absent or not that."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 86400 else None
 
 
 def _is_read_timeout(exc: BaseException) -> bool:

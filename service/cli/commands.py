@@ -49,8 +49,9 @@ Exit codes with --wait (and --follow): 0 the job succeeded; 1 it failed; 2 bad u
 unreadable spec file or a malformed TRAINQ_URL; 3 it was cancelled; 4 it timed out
 (max_runtime_s, or --timeout while waiting: the job keeps going); 5 the service is
 unreachable or unavailable (or TRAINQ_URL is not a trainq API); 6 the API refused the request
-(401, 403, 404, 409, 413, 422: the message names the field); 130 Ctrl-C while waiting (the
-job keeps going).
+(401, 403, 404, 409, 413, 422: the message names the field; 429: over a submit limit, which
+--wait retries after Retry-After until --timeout); 130 Ctrl-C while waiting (the job keeps
+going).
 """
 
 
@@ -188,6 +189,24 @@ def wait_for_job(
     return code
 
 
+def _submit_retrying(
+    client: Client, spec: dict[str, Any], key: str | None, deadline: float | None
+) -> dict[str, Any]:
+    """Submit; a 429 (over a submit limit) is retried after its Retry-After, one line on
+    stderr each time, until the deadline (--timeout): past it, the 429 is the error."""
+    from service.cli.client import EXIT_TIMEOUT, RateLimited
+
+    while True:
+        try:
+            return client.submit(spec, key)
+        except RateLimited as exc:
+            pause = exc.retry_after if exc.retry_after is not None else 5.0
+            if deadline is not None and time.monotonic() + pause > deadline:
+                raise fail(f"gave up at --timeout: {exc.message}", EXIT_TIMEOUT) from None
+            _leaving(f"trainq: submit refused: {exc.message}; retrying in {pause:g}s")
+            time.sleep(pause)
+
+
 # -- the commands ---------------------------------------------------------------------------
 
 
@@ -224,8 +243,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Submit a job; print its id and URL. --wait/--follow gate on its outcome."""
         spec = load_spec(spec_file, overrides or [])
+        deadline = time.monotonic() + timeout if timeout is not None else None
         with _client() as client:
-            job = client.submit(spec, idempotency_key)
+            if wait or follow:
+                job = _submit_retrying(client, spec, idempotency_key, deadline)
+                if deadline is not None:
+                    timeout = max(0.0, deadline - time.monotonic())
+            else:
+                job = client.submit(spec, idempotency_key)
             job_id = str(job["id"])
             if quiet:
                 typer.echo(clean(job_id))

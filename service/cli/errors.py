@@ -10,6 +10,7 @@
         ├── NotFound            404: no such job (or not yours)
         ├── Invalid             422: the message names every field path (``train.steps: ...``)
         ├── TooLarge            413
+        ├── RateLimited         429: over a submit limit; ``retry_after`` seconds (Retry-After)
         └── Unavailable         503 (and other 5xx): the database or Redis is down
 
 An error answer's ``detail`` becomes the message: a 422 lists every ``field.path: message``
@@ -42,6 +43,7 @@ __all__ = [
     "Invalid",
     "NotFound",
     "NotTrainq",
+    "RateLimited",
     "TooLarge",
     "Unauthorized",
     "Unavailable",
@@ -110,6 +112,14 @@ class TooLarge(ApiError):
     pass
 
 
+class RateLimited(ApiError):
+    """429: over a limit; ``retry_after`` is the answer's Retry-After (seconds), if any."""
+
+    def __init__(self, message: str, status: int, retry_after: float | None = None) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+
 class Unavailable(ApiError):
     exit_code = EXIT_UNREACHABLE
 
@@ -162,6 +172,8 @@ def describe_error(status: int, body: Any, what: str) -> str:
         return f"conflict (409): {text or 'the request conflicts with an existing job'}"
     if status == 413:
         return f"too large (413): {text or 'the request body is over the limit'}"
+    if status == 429:
+        return f"too many requests (429): {text or 'over a limit'}"
     if status >= 500:
         return f"service unavailable ({status}): {text or 'try again shortly'}"
     return f"HTTP {status}: {text or what}"

@@ -30,7 +30,7 @@ _DESCRIPTIONS = {
     409: ("Idempotency-Key reused with a different spec", ErrorOut),
     413: ("request body over the limit", ErrorOut),
     422: ("invalid input; each error's loc names the field", ValidationOut),
-    429: ("too many open streams; Retry-After says when to try again", ErrorOut),
+    429: ("over a limit (open streams, submits); Retry-After says when to try again", ErrorOut),
     503: ("the database or Redis is unavailable", ErrorOut),
 }
 

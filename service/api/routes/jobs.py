@@ -89,13 +89,7 @@ def parse_spec(
     try:
         spec = JobSpec.model_validate(payload)
     except ValidationError as exc:
-        raise InvalidInput(
-            "invalid job spec",
-            [
-                {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
-                for e in exc.errors()
-            ],
-        ) from exc
+        raise InvalidInput.of_body("invalid job spec", exc) from exc
     train = spec.train
     if train.data.dataset is None:
         _check_data_path(train.data.path, data_root, ["data", "path"])
@@ -140,6 +134,18 @@ def _check_init_job(services: Services, principal: Principal, job_id: str) -> No
             raise InvalidInput.at(
                 ["body", "train", "init", "job"], f"job {job_id} not found (or not yours)"
             )
+
+
+def _check_limits(services: Services, principal: Principal, key: str | None) -> None:
+    """The owner's submit limits (``service.api.ratelimit``): 429 past one. A replay of an
+    Idempotency-Key already used creates nothing, so it is neither counted nor refused."""
+    limits = services.limits
+    assert limits is not None
+    if key is not None:
+        with services.reader.connect() as conn:
+            if limits.replay(conn, principal.name, key):
+                return
+    limits.check(services.reader.connect, principal.name)
 
 
 def _queue_devices(services: Services, queue: str) -> tuple[list[dict[str, Any]] | None, str]:
@@ -214,7 +220,7 @@ def openapi_components() -> dict[str, Any]:
             "description": "the job this Idempotency-Key already created (JobOut), or with"
             " dry_run=true the plan of the spec (PlanOut): nothing stored, nothing sent",
         },
-        **errors(401, 409),
+        **errors(401, 409, 429),
     },
     openapi_extra={
         "requestBody": {
@@ -254,6 +260,8 @@ async def submit_job(
         spec = await run_in_threadpool(resolve_dataset, services.reader, data_root, principal, spec)
     if dry_run:
         return await run_in_threadpool(_plan_answer, services, spec)
+    if services.limits is not None and services.limits.active:
+        await run_in_threadpool(_check_limits, services, principal, idempotency_key)
     row = crud.job_row(principal, spec, idempotency_key)
     if services.submits is not None and await services.submits.add(row):
         created = True  # committed with the other submits of its batch (service.api.submit)
