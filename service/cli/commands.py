@@ -191,15 +191,18 @@ def wait_for_job(
 
 def _submit_retrying(
     client: Client, spec: dict[str, Any], key: str | None, deadline: float | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], bool]:
     """Submit; a 429 (over a submit limit) is retried after its Retry-After, one line on
-    stderr each time, until the deadline (--timeout): past it, the 429 is the error."""
+    stderr each time, until the deadline (--timeout): past it, the 429 is the error.
+    Returns the job and whether any retry was needed."""
     from service.cli.client import EXIT_TIMEOUT, RateLimited
 
+    retried = False
     while True:
         try:
-            return client.submit(spec, key)
+            return client.submit(spec, key), retried
         except RateLimited as exc:
+            retried = True
             pause = exc.retry_after if exc.retry_after is not None else 5.0
             if deadline is not None and time.monotonic() + pause > deadline:
                 raise fail(f"gave up at --timeout: {exc.message}", EXIT_TIMEOUT) from None
@@ -246,8 +249,8 @@ def register(app: typer.Typer) -> None:
         deadline = time.monotonic() + timeout if timeout is not None else None
         with _client() as client:
             if wait or follow:
-                job = _submit_retrying(client, spec, idempotency_key, deadline)
-                if deadline is not None:
+                job, retried = _submit_retrying(client, spec, idempotency_key, deadline)
+                if retried and deadline is not None:  # the retries' time came out of --timeout
                     timeout = max(0.0, deadline - time.monotonic())
             else:
                 job = client.submit(spec, idempotency_key)
