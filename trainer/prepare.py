@@ -41,7 +41,7 @@ from trainer.files import make_dirs, set_mode
 from trainer.shard_stream import ShardStream, val_tokens
 from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
-__all__ = ["PrepareSummary", "main", "prepare", "prepare_demo"]
+__all__ = ["PrepareSummary", "byte_summary", "main", "prepare", "prepare_demo"]
 
 BYTE_VOCAB = 256
 UINT16_VOCAB = 1 << 16
@@ -229,6 +229,19 @@ def prepare(
     return summary
 
 
+def byte_summary(out: str, train: ShardStream, val: ShardStream) -> PrepareSummary:
+    """Close a byte-level dataset's two streams; its summary (``out``: the dataset's path)."""
+    return PrepareSummary(
+        out=out,
+        tokenizer=BYTE,
+        vocab_size=BYTE_VOCAB,
+        train_tokens=train.tokens,
+        val_tokens=val.tokens,
+        train_shards=train.close(),
+        val_shards=val.close(),
+    )
+
+
 def _val_tokens(total: int, val_fraction: float) -> int:
     try:
         return val_tokens(total, val_fraction)
@@ -269,15 +282,7 @@ def _prepare_bytes(
                 room = n_train - train.tokens
                 train.append_bytes(chunk[:room])
                 val.append_bytes(chunk[room:])
-        summary = PrepareSummary(
-            out=str(out),
-            tokenizer=BYTE,
-            vocab_size=BYTE_VOCAB,
-            train_tokens=train.tokens,
-            val_tokens=val.tokens,
-            train_shards=train.close(),
-            val_shards=val.close(),
-        )
+        summary = byte_summary(str(out), train, val)
         _write_tokenizer(out, None)
         _write_json(out / META_FILE, summary.to_dict())
     except OSError as exc:

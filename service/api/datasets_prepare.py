@@ -44,11 +44,9 @@ import numpy as np
 
 from trainer.data import HEADER_INTS, META_FILE, DataError, write_shard
 from trainer.files import make_dirs, set_mode
-from trainer.prepare import BYTE_VOCAB, DEFAULT_SHARD_TOKENS, PrepareSummary, prepare
+from trainer.prepare import DEFAULT_SHARD_TOKENS, byte_summary, prepare
 from trainer.shard_stream import ShardStream, val_tokens
-from trainer.tokenizer import BYTE
-
-TOKENIZER_FILE = "tokenizer.json"
+from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -95,7 +93,7 @@ def reshard(
     train, val = tokens[: tokens.size - n_val], tokens[tokens.size - n_val :]
     summary = {
         "out": str(out),
-        "tokenizer": "byte" if tokenizer is None else TOKENIZER_FILE,
+        "tokenizer": BYTE if tokenizer is None else TOKENIZER_FILE,
         "vocab_size": vocab_size,
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
@@ -159,15 +157,8 @@ def follow(args: argparse.Namespace, stdin: _Stdin) -> dict[str, Any] | None:
         if total == 0:
             raise DataError("the input files produced no tokens")
         train.move_tail(total - val_tokens(total, args.val_fraction), val)
-        summary = PrepareSummary(
-            out=args.dataset_path,  # where it will be, not this work folder
-            tokenizer=BYTE,
-            vocab_size=BYTE_VOCAB,
-            train_tokens=train.tokens,
-            val_tokens=val.tokens,
-            train_shards=train.close(),
-            val_shards=val.close(),
-        ).to_dict()
+        # ``out``: where the dataset will be, not this work folder.
+        summary = byte_summary(args.dataset_path, train, val).to_dict()
     except BaseException:
         train.discard()
         val.discard()
