@@ -37,6 +37,7 @@ __all__ = [
     "JOBS",
     "LOGS",
     "METRICS",
+    "OWNER_LIMITS",
     "TERMINAL",
     "ApiToken",
     "Attempt",
@@ -45,6 +46,7 @@ __all__ = [
     "Job",
     "LogChunk",
     "Metric",
+    "OwnerLimit",
     "new_job_id",
     "utcnow",
 ]
@@ -103,6 +105,11 @@ class Job(Base):
     message: Mapped[str | None] = mapped_column(Text)
     attempt: Mapped[int] = mapped_column(Integer)  # the current attempt's number
     retries_used: Mapped[int] = mapped_column(Integer, default=0)
+    # Scheduling (service.api.admit): higher first; held back until not_before (a gang's
+    # backoff); preempted_at: when the admitter last asked it to yield its capacity.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    not_before: Mapped[datetime | None]
+    preempted_at: Mapped[datetime | None]
 
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
@@ -144,6 +151,8 @@ class Attempt(Base):
     hb_missing_since: Mapped[datetime | None]
     # Multi-node: the nodes that reported their exit so far, "n" -> {exit_code, reason}.
     node_exits: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The worker chosen for each node by the admitter (null: waiting for admission).
+    placement: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (
         UniqueConstraint("job_id", "number"),
@@ -197,6 +206,20 @@ class ApiToken(Base):
     revoked_at: Mapped[datetime | None]
 
 
+class OwnerLimit(Base):
+    """What an admin allows one owner (a token's name), set with ``trainq token limits``;
+    a null column: the service's setting applies."""
+
+    __tablename__ = "owner_limits"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    max_priority: Mapped[int | None] = mapped_column(Integer)
+    max_running: Mapped[int | None] = mapped_column(Integer)  # slots (GPUs on GPU queues)
+    max_queued: Mapped[int | None] = mapped_column(Integer)
+    submits_per_minute: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[datetime]
+
+
 DATASET_STATUSES = ("uploading", "preparing", "ready", "failed")
 
 
@@ -235,3 +258,4 @@ ATTEMPTS = cast(Table, Attempt.__table__)
 METRICS = cast(Table, Metric.__table__)
 LOGS = cast(Table, LogChunk.__table__)
 DATASETS = cast(Table, Dataset.__table__)
+OWNER_LIMITS = cast(Table, OwnerLimit.__table__)

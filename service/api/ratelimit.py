@@ -15,6 +15,9 @@ Two limits, each a setting (0 turns it off), each a 429 naming the limit and the
   older. Jobs leaving the queue only make the estimate high, so it never lets one through
   that a count would refuse, but for other replicas' submits of the last second.
 
+An owner's own ``submits_per_minute`` / ``max_queued`` (``trainq token limits``, read
+through ``service.api.limits.OwnerLimitsCache``) replace the settings for that owner.
+
 A replay of an Idempotency-Key the owner already used is neither counted nor refused: it
 creates nothing (the caller skips these checks when ``replay`` finds the key's job). The
 owner's name never appears in a Redis key: the key holds a hash of it (``owner_hash``).
@@ -37,6 +40,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 
 from service.api.errors import TooManyRequests
+from service.api.limits import OwnerLimits, OwnerLimitsCache
 from service.api.models import JOBS
 
 __all__ = ["QUEUED_RETRY_AFTER_S", "SubmitLimits", "owner_hash"]
@@ -92,7 +96,9 @@ class SubmitLimits:
         self._queued: dict[str, tuple[float, int]] = {}  # owner: (counted at, estimate)
         self._lock = threading.Lock()
         self._outage_logged = -OUTAGE_LOG_S
-        self._script = redis.register_script(_SLIDING_WINDOW) if self.per_window else None
+        # Registering sends nothing; an owner's own limit may need the script with none set.
+        self._script = redis.register_script(_SLIDING_WINDOW)
+        self.owners = OwnerLimitsCache(settings)  # each owner's limits over these settings
 
     @property
     def active(self) -> bool:
@@ -111,36 +117,39 @@ class SubmitLimits:
         ).first()
         return found is not None
 
-    def check(self, connect: Callable[[], Any], owner: str) -> None:
+    def check(
+        self, connect: Callable[[], Any], owner: str, limits: OwnerLimits | None = None
+    ) -> None:
         """Raise TooManyRequests past a limit; else count this submit (per window).
-        ``connect`` opens a database connection, only when the queue is counted."""
-        if self.max_queued:
-            count = self._queued_count(connect, owner)
-            if count >= self.max_queued:
+        ``connect`` opens a database connection, only when the queue is counted or the
+        owner's limits (``limits``, when not given) are not cached."""
+        own = limits if limits is not None else self.owners.get(connect, owner)
+        max_queued, per_window = own.max_queued, own.submits_per_minute
+        if max_queued:
+            count = self._queued_count(connect, owner, max_queued)
+            if count >= max_queued:
                 raise TooManyRequests(
                     f"owner {owner!r} has {count} queued jobs, the most allowed"
-                    f" (TRAINQ_MAX_QUEUED_PER_OWNER={self.max_queued}); submit again once"
-                    " some have started or been cancelled",
+                    f" ({own.source('max_queued')});"
+                    " submit again once some have started or been cancelled",
                     retry_after=QUEUED_RETRY_AFTER_S,
                 )
-        if self._script is not None:
+        if per_window:
             window_ms = max(1, round(self.window_s * 1000))
             try:
-                wait_ms = int(
-                    self._script(keys=[self.key(owner)], args=[self.per_window, window_ms])
-                )
+                wait_ms = int(self._script(keys=[self.key(owner)], args=[per_window, window_ms]))
             except RedisError as exc:
                 self._outage(exc)
                 wait_ms = 0
             if wait_ms > 0:
                 retry = max(1, math.ceil(wait_ms / 1000))
                 raise TooManyRequests(
-                    f"owner {owner!r} is over {self.per_window} submits per"
-                    f" {self.window_s:g} s (TRAINQ_SUBMITS_PER_MINUTE={self.per_window});"
+                    f"owner {owner!r} is over {per_window} submits per"
+                    f" {self.window_s:g} s ({own.source('submits_per_minute')});"
                     f" retry after {retry} s",
                     retry_after=retry,
                 )
-        if self.max_queued:
+        if max_queued:
             with self._lock:
                 at, estimate = self._queued.get(owner, (0.0, 0))
                 self._queued[owner] = (at, estimate + 1)
@@ -153,19 +162,19 @@ class SubmitLimits:
             self._outage_logged = now
         log.warning("submit rate limit not applied: Redis is unreachable (%s)", exc)
 
-    def _queued_count(self, connect: Callable[[], Any], owner: str) -> int:
+    def _queued_count(self, connect: Callable[[], Any], owner: str, max_queued: int) -> int:
         """The owner's queued jobs: this process's estimate while it is recent and clear of
         the limit by a tenth, else counted (up to the limit) in SQL."""
         now = time.monotonic()
         with self._lock:
             at, estimate = self._queued.get(owner, (0.0, 0))
-        if now - at < QUEUED_RECOUNT_S and estimate + self.max_queued // 10 < self.max_queued:
+        if now - at < QUEUED_RECOUNT_S and estimate + max_queued // 10 < max_queued:
             return estimate
         queued = select(JOBS.c.id).where(JOBS.c.owner == owner, JOBS.c.status == "queued")
         with connect() as conn:
             count = int(
                 conn.execute(
-                    select(func.count()).select_from(queued.limit(self.max_queued).subquery())
+                    select(func.count()).select_from(queued.limit(max_queued).subquery())
                 ).scalar_one()
             )
         with self._lock:

@@ -8,7 +8,7 @@ commands no FastAPI, nothing imports torch), so the CLI starts fast on any host.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -125,6 +125,68 @@ def token_revoke(
     typer.echo(f"revoked {n} token(s)")
     if n == 0:
         raise typer.Exit(1)
+
+
+def _limit_values(row: Any) -> list[str]:
+    """An owner_limits row's limits as text, "-" where the service's setting applies."""
+    from service.api.limits import LIMIT_FIELDS
+
+    values = [getattr(row, f) if row is not None else None for f in LIMIT_FIELDS]
+    return ["-" if v is None else str(v) for v in values]
+
+
+@token_app.command("limits")
+def token_limits(
+    name: Annotated[str | None, typer.Argument(help="the owner (a token's name)")] = None,
+    max_priority: Annotated[
+        int | None, typer.Option(help="highest priority its jobs may ask for (may be negative)")
+    ] = None,
+    max_running: Annotated[
+        int | None, typer.Option(help="slots (GPUs) it may hold per queue; 0: no cap")
+    ] = None,
+    max_queued: Annotated[int | None, typer.Option(help="queued jobs; 0: no limit")] = None,
+    submits_per_minute: Annotated[int | None, typer.Option(help="0: no limit")] = None,
+    clear: Annotated[
+        bool, typer.Option("--clear", help="limits not given go back to the service's settings")
+    ] = False,
+) -> None:
+    """Set an owner's limits (only those given change) and print them; with no NAME, list
+    every owner's. "-": the service's setting applies (TRAINQ_MAX_PRIORITY, ...). The API
+    sees a change within TRAINQ_TOKEN_CACHE_S."""
+    from service.api.db import make_engine, make_sessionmaker
+    from service.api.limits import list_limits, set_limits
+
+    values = {
+        "max_priority": max_priority,
+        "max_running": max_running,
+        "max_queued": max_queued,
+        "submits_per_minute": submits_per_minute,
+    }
+    if name is None:
+        if clear or any(v is not None for v in values.values()):
+            raise typer.BadParameter("give the owner's NAME to set its limits")
+    elif not (name := name.strip()) or len(name) > 128:
+        raise typer.BadParameter("a name of 1 to 128 characters", param_hint="NAME")
+    for field, value in values.items():
+        flag = "--" + field.replace("_", "-")
+        if field != "max_priority" and value is not None and value < 0:
+            raise typer.BadParameter(f"{value} is negative; 0 means no limit", param_hint=flag)
+        if value is not None and value > 2**31 - 1:
+            raise typer.BadParameter(f"at most {2**31 - 1}", param_hint=flag)
+    if max_priority is not None and not -1000 <= max_priority <= 1000:
+        raise typer.BadParameter("a priority from -1000 to 1000", param_hint="--max-priority")
+    engine = make_engine(_settings())  # disposed: a test or a script may call this many times
+    try:
+        with make_sessionmaker(engine)() as session, session.begin():
+            if name is None:
+                typer.echo("\t".join(["owner", *values]))
+                for r in list_limits(session):
+                    typer.echo("\t".join([r.owner, *_limit_values(r)]))
+                return
+            shown = _limit_values(set_limits(session, name, clear=clear, **values))
+    finally:
+        engine.dispose()
+    typer.echo(f"{name}: " + " ".join(f"{f}={v}" for f, v in zip(values, shown, strict=True)))
 
 
 @app.command("api")

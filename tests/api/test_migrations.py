@@ -37,7 +37,7 @@ def _tables(url: str) -> set[str]:
 
 def _round_trip(url: str) -> None:
     migrate.upgrade(url)
-    assert migrate.current(url) == "0004"
+    assert migrate.current(url) == "0005"
     assert _tables(url) == set(Base.metadata.tables)
     migrate.downgrade(url, "0003")  # 0004 alone: the datasets table goes, and comes back
     assert "datasets" not in _tables(url) and migrate.drift(url) != []
