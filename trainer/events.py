@@ -123,6 +123,15 @@ class Keys:
     def cancel(self, job_id: str) -> str:
         return f"{self.prefix}:cancel:{job_id}"
 
+    def preempt(self, job_id: str, attempt: int) -> str:
+        """Set by the admitter: this attempt yields its capacity (checkpoint, exit)."""
+        return f"{self.prefix}:preempt:{job_id}:{attempt}"
+
+    @property
+    def admit_channel(self) -> str:
+        """Published when capacity may have changed: wakes the service's admitter."""
+        return f"{self.prefix}:admit"
+
     def cancel_channel(self) -> str:
         return f"{self.prefix}:cancel"
 

@@ -18,7 +18,7 @@ from kombu import Exchange, Queue
 
 from worker.context import WorkerContext
 from worker.generate import GenerationServer
-from worker.message import broker_queue, spec_queue
+from worker.message import broker_queue, spec_queue, worker_queue
 from worker.registry import Registry
 from worker.settings import WorkerSettings
 
@@ -51,9 +51,14 @@ app.conf.update(
 _context: WorkerContext | None = None
 
 
-def queues_for(names: Sequence[str], prefix: str = "trainq") -> list[Queue]:
-    """The broker queues for trainq queues ``names`` (each under the prefix)."""
+def queues_for(
+    names: Sequence[str], prefix: str = "trainq", worker: str | None = None
+) -> list[Queue]:
+    """The broker queues for trainq queues ``names`` (each under the prefix), and
+    ``worker``'s own queue (``worker.message.worker_queue``) if given."""
     broker = [broker_queue(n, prefix) for n in names]
+    if worker is not None:
+        broker.append(worker_queue(worker, prefix))
     return [Queue(b, Exchange(b, type="direct"), routing_key=b) for b in broker]
 
 
@@ -63,7 +68,7 @@ def configure(ctx: WorkerContext) -> Registry:
     _context = ctx
     app.conf.update(
         broker_url=ctx.settings.broker_url,
-        task_queues=queues_for(ctx.queues, ctx.settings.redis_prefix),
+        task_queues=queues_for(ctx.queues, ctx.settings.redis_prefix, ctx.name),
         task_default_queue=broker_queue(ctx.queues[0], ctx.settings.redis_prefix),
     )
     registry = Registry(ctx)
@@ -93,6 +98,10 @@ def context() -> WorkerContext:
     global _context
     if _context is None:
         settings = WorkerSettings()
-        names = [spec_queue(q.name, settings.redis_prefix) for q in app.conf.task_queues or ()]
+        names = [
+            spec_queue(q.name, settings.redis_prefix)
+            for q in app.conf.task_queues or ()
+            if not q.name.startswith(f"{settings.redis_prefix}.@")  # a worker's own queue
+        ]
         _context = WorkerContext(settings, queues=names or ["default"])
     return _context

@@ -6,7 +6,7 @@ import argparse
 import re
 
 from worker.context import WorkerContext
-from worker.message import QUEUE_PATTERN, broker_queue
+from worker.message import QUEUE_PATTERN, WORKER_NAME_PATTERN, broker_queue, worker_queue
 from worker.settings import WorkerSettings
 
 __all__ = ["main", "run"]
@@ -30,8 +30,16 @@ def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | N
 
     settings = WorkerSettings()
     ctx = WorkerContext(settings, queues=queues, slots=slots, gpus=gpus, name=hostname)
+    if not re.fullmatch(WORKER_NAME_PATTERN, ctx.name):
+        raise ValueError(
+            f"worker name {ctx.name!r} must be 1-128 letters, digits, '.', '_' or '-',"
+            " starting with a letter or digit (give one with --hostname)"
+        )
     configure(ctx)
+    # Its spec queues (the service's fifo scheduler sends there) and its own queue (the
+    # admitter sends each node it placed on this worker there).
     broker = [broker_queue(q, settings.redis_prefix) for q in queues]
+    broker.append(worker_queue(ctx.name, settings.redis_prefix))
     app.worker_main(
         [
             "worker",

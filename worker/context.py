@@ -104,6 +104,11 @@ class WorkerContext:
             self._running.pop((job_id, attempt, node), None)
         self._changed()
 
+    def busy_slots(self) -> int:
+        """Nodes of attempts this worker holds now (each takes a slot)."""
+        with self._lock:
+            return len(self._running)
+
     def running_jobs(self) -> list[str]:
         with self._lock:
             return sorted({job for job, _, _ in self._running})

@@ -12,7 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.config import TrainConfig
 
-__all__ = ["QUEUE_PATTERN", "TASK_NAME", "JobMessage", "broker_queue", "spec_queue"]
+__all__ = [
+    "QUEUE_PATTERN",
+    "TASK_NAME",
+    "WORKER_NAME_PATTERN",
+    "JobMessage",
+    "broker_queue",
+    "spec_queue",
+    "worker_queue",
+]
 
 TASK_NAME = "trainq.run_attempt"
 
@@ -30,6 +38,17 @@ def broker_queue(queue: str, prefix: str = "trainq") -> str:
     none of kombu's or Celery's names start with.
     """
     return f"{prefix}.{queue}"
+
+
+# A worker's name (``--hostname``, else the host's name): it names the worker's own queue.
+WORKER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def worker_queue(worker: str, prefix: str = "trainq") -> str:
+    """The broker's name for worker ``worker``'s own queue, where the service's admitter
+    sends the nodes it placed there: ``{prefix}.@{worker}``. ``@`` is in no queue name a spec
+    may give (QUEUE_PATTERN), so no spec queue can ever name a worker's queue."""
+    return f"{prefix}.@{worker}"
 
 
 def spec_queue(name: str, prefix: str = "trainq") -> str:

@@ -79,11 +79,17 @@ class Registry:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        ctx.on_change(self._wake.set)
+        self._changed = True  # a change to announce on the admitter's channel
+        ctx.on_change(self._change)
         self.gpu_memory = gpu_memory_bytes(ctx.gpus)  # asked once: it does not change
+
+    def _change(self) -> None:
+        self._changed = True
+        self._wake.set()
 
     def entry(self) -> dict[str, Any]:
         ctx = self.ctx
+        per_slot = len(ctx.gpus) // ctx.slot_count if ctx.gpus else None
         return {
             "name": ctx.name,
             "host": ctx.host,
@@ -91,14 +97,28 @@ class Registry:
             "slots": ctx.slot_count,
             "gpus": ctx.gpus,
             "gpu_memory_bytes": self.gpu_memory,  # per GPU, in gpus' order; None: unknown
+            # The ranks one slot holds: its GPUs, or the CPU worker's slot_procs setting.
+            "slot_procs": per_slot or ctx.settings.slot_procs,
+            "gpus_per_slot": per_slot or 0,
             "running": ctx.running_jobs(),
+            "busy": ctx.busy_slots(),
             "draining": ctx.preempt.is_set(),  # shutting down: takes no new work
             "ts": time.time(),
         }
 
     def publish(self) -> bool:
+        """Write the entry; after a change (a start, an attempt starting or ending, a
+        shutdown) also wake the service's admitter, which places work by these entries."""
+        changed, self._changed = self._changed, False
         try:
-            self.ctx.redis.hset(self.ctx.keys.workers, self.ctx.name, json.dumps(self.entry()))
+            keys = self.ctx.keys
+            if changed:
+                pipe = self.ctx.redis.pipeline(transaction=False)
+                pipe.hset(keys.workers, self.ctx.name, json.dumps(self.entry()))
+                pipe.publish(keys.admit_channel, self.ctx.name)
+                pipe.execute()
+            else:
+                self.ctx.redis.hset(keys.workers, self.ctx.name, json.dumps(self.entry()))
             return True
         except Exception as exc:
             log.warning("worker registry update failed: %s", exc)
@@ -126,5 +146,6 @@ class Registry:
             self._thread.join(5)
         try:
             self.ctx.redis.hdel(self.ctx.keys.workers, self.ctx.name)
+            self.ctx.redis.publish(self.ctx.keys.admit_channel, self.ctx.name)
         except Exception as exc:
             log.warning("could not remove worker %s from the registry: %s", self.ctx.name, exc)

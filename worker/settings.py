@@ -31,6 +31,9 @@ class WorkerSettings(BaseSettings):
     cancel_grace_s: float = Field(30.0, ge=0)  # SIGTERM, then this long, then SIGKILL
     cancel_poll_s: float = Field(1.0, gt=0)  # the cancel key is polled; pub/sub only wakes
     registry_interval_s: float = Field(5.0, gt=0)
+    # The ranks one slot of a CPU worker holds (procs_per_node above it is not placed here);
+    # a GPU worker's slot holds as many ranks as it has GPUs.
+    slot_procs: int = Field(8, ge=1, le=64)
     max_restarts: int = Field(0, ge=0, le=100)  # torchrun --max-restarts per attempt
     log_batch_lines: int = Field(200, ge=1)
     log_batch_s: float = Field(0.25, gt=0)

@@ -156,6 +156,7 @@ class _Attempt:
             poll_s=self.s.cancel_poll_s,
             wake=wake,
             stop_key=ctx.keys.stop(msg.job_id, msg.attempt) if self.multi else None,
+            preempt_key=ctx.keys.preempt(msg.job_id, msg.attempt),
         )
 
     def run(self) -> Outcome:
@@ -184,6 +185,8 @@ class _Attempt:
         if self.cancel.check():
             if self.cancel.stopped:
                 return Outcome(None, "cancelled", self._stopped_message())
+            if self.cancel.preempted is not None:
+                return Outcome(None, "preempted", f"before launch: {self.cancel.preempted}")
             return Outcome(None, "cancelled", "cancelled before launch")
         return None
 
@@ -378,6 +381,8 @@ class _Attempt:
             if self.cancel.requested.is_set():
                 if self.cancel.stopped:
                     return "cancelled", self._stopped_message()
+                if self.cancel.preempted is not None:
+                    return "preempted", self.cancel.preempted
                 return "cancelled", "cancelled by request"
             if deadline is not None and time.monotonic() >= deadline:
                 return "timeout", f"ran past max_runtime_s={limit}"

@@ -55,7 +55,9 @@ class CancelWatch:
     Pub/sub is at most once (a message sent while we were reconnecting is gone), so the key
     is also read every ``poll_s`` whatever the channel says. A multi-node attempt also
     watches ``stop_key`` (the service ended the attempt: another node failed); finding it
-    sets ``requested`` too, and ``stopped``.
+    sets ``requested`` too, and ``stopped``. So does ``preempt_key`` (the service's admitter
+    wants the attempt's capacity for a higher-priority job), with ``preempted``; its value is
+    the admitter's message.
     """
 
     def __init__(
@@ -68,9 +70,12 @@ class CancelWatch:
         poll_s: float,
         wake: threading.Event,
         stop_key: str | None = None,
+        preempt_key: str | None = None,
     ) -> None:
         self._client, self._key, self._channel = client, key, channel
         self._stop_key = stop_key
+        self._preempt_key = preempt_key
+        self.preempted: str | None = None  # the admitter's message, once preempted
         self._poll_s = poll_s
         self._wake = wake
         self.requested = threading.Event()
@@ -87,6 +92,14 @@ class CancelWatch:
                 self.stopped = True
                 self.requested.set()
                 self._wake.set()
+            elif self._preempt_key is not None:
+                why = self._client.get(self._preempt_key)
+                if why is not None:
+                    self.preempted = (
+                        why.decode(errors="replace") if isinstance(why, bytes) else str(why)
+                    )
+                    self.requested.set()
+                    self._wake.set()
         except Exception as exc:
             log.debug("cancel check failed: %s", exc)
         return self.requested.is_set()

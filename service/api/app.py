@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from service.api import dashboard, telemetry
+from service.api.admit import Admitter
 from service.api.auth import ANONYMOUS, TokenCache
 from service.api.datasets_work import DatasetWork
 from service.api.db import make_async_reader, make_engine, make_sessionmaker
@@ -39,6 +40,7 @@ from service.api.errors import PayloadTooLarge, TrainqError
 from service.api.ingest import Ingestor
 from service.api.ratelimit import SubmitLimits
 from service.api.reconcile import Reconciler
+from service.api.retention import Retention
 from service.api.routes import checkpoints as checkpoint_routes
 from service.api.routes import datasets as dataset_routes
 from service.api.routes import generate, health, jobs, streams, workers
@@ -293,11 +295,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.ingest:
             ingestor = Ingestor(settings, services.sessions, services.redis, services.dispatcher)
             threads.append(threading.Thread(target=ingestor.run, args=(stop,), name="ingest"))
+        if settings.reconcile and settings.scheduler == "admit":
+            admitter = Admitter(settings, services.sessions, services.redis, services.dispatcher)
+            threads.append(threading.Thread(target=admitter.run, args=(stop,), name="admit"))
         if settings.reconcile:
             reconciler = Reconciler(
                 settings, services.sessions, services.redis, services.dispatcher
             )
             threads.append(threading.Thread(target=reconciler.run, args=(stop,), name="reconcile"))
+        if settings.reconcile and settings.retention_days > 0:
+            retention = Retention(settings, services.sessions, services.redis)
+            threads.append(threading.Thread(target=retention.run, args=(stop,), name="retention"))
         for t in threads:
             t.daemon = True
             t.start()

@@ -78,6 +78,7 @@ def job_row(principal: Principal, spec: JobSpec, idempotency_key: str | None) ->
         "procs_per_node": spec.procs_per_node,
         "max_runtime_s": spec.max_runtime_s,
         "retries": spec.retries,
+        "priority": spec.priority,
         "train": spec.train.model_dump(mode="json"),
         "spec_hash": spec.spec_hash(),
         "idempotency_key": idempotency_key,
@@ -86,6 +87,8 @@ def job_row(principal: Principal, spec: JobSpec, idempotency_key: str | None) ->
         "message": None,
         "attempt": 1,
         "retries_used": 0,
+        "not_before": None,
+        "preempted_at": None,
         "created_at": utcnow(),
         "started_at": None,
         "ended_at": None,
@@ -158,8 +161,8 @@ def create_job(
 # of the ids returned: create_job, one by one, answers it.
 _NEW_JOB_COLUMNS = [
     "id", "owner", "name", "queue", "labels", "nodes", "procs_per_node", "max_runtime_s",
-    "retries", "train", "spec_hash", "idempotency_key", "status", "attempt", "retries_used",
-    "created_at",
+    "retries", "priority", "train", "spec_hash", "idempotency_key", "status", "attempt",
+    "retries_used", "created_at",
 ]  # fmt: skip
 _SQL_CREATE_JOBS = (
     f"WITH new_jobs AS (INSERT INTO jobs ({', '.join(_NEW_JOB_COLUMNS)})"

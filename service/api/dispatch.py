@@ -19,12 +19,13 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.models import ATTEMPTS, JOBS, utcnow
 from service.api.settings import Settings
-from worker.message import TASK_NAME, JobMessage, broker_queue
+from trainer.events import Keys
+from worker.message import TASK_NAME, JobMessage, broker_queue, worker_queue
 
 __all__ = ["Dispatcher", "dispatch_attempts", "job_message", "message_tag"]
 
@@ -45,6 +46,9 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._failed_at = 0.0
         self._batch = threading.local()  # send_batch's producer, which send() then uses
+        self._broker: Any = None
+        self._events: Any = None
+        self.admit_wake = threading.Event()  # the local admitter's (service.api.admit)
 
     def _app(self) -> Any:
         with self._lock:
@@ -69,17 +73,40 @@ class Dispatcher:
                 self._celery = app
             return self._celery
 
+    def wake(self) -> None:
+        """Ask the admitter for a pass: this process's (an event) and every replica's (the
+        admit channel). Best effort: the periodic pass comes anyway."""
+        if not self.admits:
+            return
+        self.admit_wake.set()
+        try:
+            self._client("_events", self._settings.redis_url).publish(
+                Keys(self._settings.redis_prefix).admit_channel, "1"
+            )
+        except Exception as exc:  # Redis away: the periodic pass places the job
+            log.debug("admitter wake-up not published: %s", exc)
+
+    @property
+    def admits(self) -> bool:
+        """Jobs wait for the admitter (``scheduler=admit``), not sent at submit."""
+        return self._settings.scheduler == "admit"
+
     @property
     def backing_off(self) -> bool:
         return time.monotonic() - self._failed_at < self._settings.dispatch_backoff_s
 
-    def send(self, message: JobMessage) -> bool:
-        """Publish one attempt to its queue; False (logged) if the broker did not take it."""
+    def send(self, message: JobMessage, worker: str | None = None) -> bool:
+        """Publish one node of an attempt to its queue's shared list, or to ``worker``'s own
+        queue (the admitter's choice); False (logged) if the broker did not take it."""
+        prefix = self._settings.redis_prefix
+        queue = (
+            broker_queue(message.queue, prefix) if worker is None else worker_queue(worker, prefix)
+        )
         try:
             self._app().send_task(
                 TASK_NAME,
                 args=[message.to_json()],
-                queue=broker_queue(message.queue, self._settings.redis_prefix),
+                queue=queue,
                 retry=False,
                 producer=getattr(self._batch, "producer", None),
                 # Celery would saferepr() the whole spec for these headers: a third of a send.
@@ -95,6 +122,32 @@ class Dispatcher:
             return False
         self._failed_at = 0.0
         return True
+
+    def send_placed(self, row: Mapping[Any, Any], attempt: int, placement: list[str]) -> bool:
+        """Send each node of an admitted attempt to the worker placed for it."""
+        return all(
+            self.send(job_message(row, attempt, n), worker=placement[n])
+            for n in range(int(row["nodes"]))
+        )
+
+    def broker_client(self) -> Any:
+        """A plain Redis client on the broker database (to read or trim its lists)."""
+        return self._client("_broker", self._settings.broker_url)
+
+    def _client(self, attr: str, url: str) -> Any:
+        with self._lock:
+            if getattr(self, attr) is None:
+                import redis
+
+                timeout = self._settings.redis_timeout_s
+                setattr(
+                    self,
+                    attr,
+                    redis.Redis.from_url(
+                        url, socket_timeout=timeout, socket_connect_timeout=timeout
+                    ),
+                )
+            return getattr(self, attr)
 
     def send_attempt(self, row: Mapping[Any, Any], attempt: int) -> bool:
         """Send one attempt of a job row: a message per node; False at the first refused."""
@@ -128,6 +181,11 @@ class Dispatcher:
 
     def close(self) -> None:
         with self._lock:
+            for attr in ("_broker", "_events"):
+                client = getattr(self, attr)
+                if client is not None:
+                    client.close()
+                    setattr(self, attr, None)
             if self._celery is not None:
                 self._celery.close()
                 self._celery = None
@@ -176,15 +234,28 @@ def dispatch_attempts(
                     JOBS.c.train,
                     JOBS.c.status,
                     JOBS.c.attempt,
-                ).where(JOBS.c.id.in_(ids))
+                    ATTEMPTS.c.placement,
+                )
+                .join(
+                    ATTEMPTS,
+                    and_(ATTEMPTS.c.job_id == JOBS.c.id, ATTEMPTS.c.number == JOBS.c.attempt),
+                )
+                .where(JOBS.c.id.in_(ids))
             )
         }
+    admit = dispatcher.admits
     sent: list[tuple[str, int]] = []
     for job_id, number in pairs:
         row = rows.get(job_id)
         if row is None or row.status != "queued" or row.attempt != number:
             continue  # cancelled or moved on since the caller decided to send
-        if dispatcher.send_attempt(row._mapping, number):
+        if row.placement:
+            ok = dispatcher.send_placed(row._mapping, number, list(row.placement))
+        elif admit:
+            continue  # waits for the admitter (service.api.admit), which sends it
+        else:
+            ok = dispatcher.send_attempt(row._mapping, number)
+        if ok:
             sent.append((job_id, number))
         else:
             break  # the broker is down: the reconciler sends the rest later

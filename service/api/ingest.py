@@ -110,6 +110,12 @@ class Ingestor:
         self.sessions = sessions
         self.redis = redis
         self.dispatcher = dispatcher
+        # Admission requeues a gang that failed to start, after a backoff (state._settle).
+        self._gang_backoff = (
+            (settings.gang_backoff_s, settings.gang_backoff_max_s)
+            if settings.scheduler == "admit"
+            else None
+        )
         self.keys = Keys(settings.redis_prefix)
         self.group = settings.consumer_group
         self.consumer = consumer or settings.consumer_name
@@ -201,6 +207,8 @@ class Ingestor:
         signal_stop(self.redis, self.keys, outcome.to_stop)
         if outcome.to_send:
             dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
+        if any(ev.kind == "lifecycle" for ev in events):
+            self.dispatcher.wake()  # an attempt started or ended: capacity changed
         self.redis.xack(self.keys.events, self.group, *ids)
         self.applied += len(events)
         if events:
@@ -303,6 +311,7 @@ class Ingestor:
                 message=text,
                 node=node if isinstance(node, int) and not isinstance(node, bool) else None,
                 at=at,
+                gang_backoff=self._gang_backoff,
             )
         log.debug("ignoring lifecycle phase %r of %s", phase, ev.key)
         return Outcome()

@@ -41,9 +41,9 @@ from service.api.notify import publish_status, signal_stop
 from service.api.settings import Settings
 from service.api.state import Outcome, attempt_lost
 from trainer.events import Keys
-from worker.message import broker_queue
+from worker.message import broker_queue, worker_queue
 
-__all__ = ["Reconciler"]
+__all__ = ["RELEASE_LOCK", "Reconciler"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
+RELEASE_LOCK = _RELEASE  # for the other one-replica-at-a-time loops (service.api.retention)
 
 
 class Reconciler:
@@ -111,13 +112,12 @@ class Reconciler:
             )
         return self._broker
 
-    def _queued_tags(self, queue: str) -> set[tuple[str, int, int]] | None:
-        """(job, attempt, node) of every message waiting in ``queue``'s broker list; None if
+    def _queued_tags(self, name: str) -> set[tuple[str, int, int]] | None:
+        """(job, attempt, node) of every message waiting in broker list ``name``; None if
         the list is longer than ``orphan_scan_max`` (then nothing can be concluded)."""
         broker = self._broker_client()
-        name = broker_queue(queue, self.settings.redis_prefix)
         if broker.llen(name) > self.settings.orphan_scan_max:
-            log.warning("reconcile: queue %s is too long to check for lost messages", queue)
+            log.warning("reconcile: queue %s is too long to check for lost messages", name)
             return None
         tags: set[tuple[str, int, int]] = set()
         start = 0
@@ -137,7 +137,13 @@ class Reconciler:
         with self.sessions() as session:
             rows = list(
                 session.execute(
-                    _waiting(ATTEMPTS.c.job_id, ATTEMPTS.c.number, JOBS.c.queue, JOBS.c.nodes)
+                    _waiting(
+                        ATTEMPTS.c.job_id,
+                        ATTEMPTS.c.number,
+                        JOBS.c.queue,
+                        JOBS.c.nodes,
+                        ATTEMPTS.c.placement,
+                    )
                     .where(ATTEMPTS.c.sent_at.is_not(None), ATTEMPTS.c.sent_at <= cutoff)
                     .order_by(ATTEMPTS.c.id)
                     .limit(ORPHAN_WINDOW)
@@ -148,19 +154,31 @@ class Reconciler:
             for n in range(r.nodes or 1):
                 pipe.exists(self.keys.claim(r.job_id, r.number, n))
         answers = iter(pipe.execute() if rows else ())
-        unclaimed = {}
+        prefix = self.settings.redis_prefix
+        unclaimed: dict[tuple[str, int], list[tuple[str, int]]] = {}
         for r in rows:
-            nodes = [n for n in range(r.nodes or 1) if not next(answers)]
+            # Each node's message is in its worker's own queue (placed by the admitter), or
+            # in the queue's shared list (the fifo scheduler).
+            nodes = [
+                (
+                    worker_queue(r.placement[n], prefix)
+                    if r.placement
+                    else broker_queue(r.queue, prefix),
+                    n,
+                )
+                for n in range(r.nodes or 1)
+                if not next(answers)
+            ]
             if nodes:
-                unclaimed[(r.job_id, r.number)] = (r.queue, nodes)
-        waiting: dict[str, set[tuple[str, int, int]] | None] = {
-            q: self._queued_tags(q) for q in sorted({q for q, _ in unclaimed.values()})
-        }
+                unclaimed[(r.job_id, r.number)] = nodes
+        names = sorted({name for nodes in unclaimed.values() for name, _ in nodes})
+        waiting = {name: self._queued_tags(name) for name in names}
         missing = set()
-        for (job_id, number), (queue, nodes) in unclaimed.items():
-            tags = waiting[queue]
-            if tags is not None and any((job_id, number, n) not in tags for n in nodes):
-                missing.add((job_id, number))
+        for (job_id, number), nodes in unclaimed.items():
+            for name, n in nodes:
+                tags = waiting[name]
+                if tags is not None and (job_id, number, n) not in tags:
+                    missing.add((job_id, number))
         orphans = sorted(missing & self._suspects)
         self._suspects = missing - set(orphans)
         for job_id, number in orphans:
@@ -173,6 +191,8 @@ class Reconciler:
         return dispatch_attempts(self.sessions, self.dispatcher, orphans)
 
     def resend_unsent(self) -> int:
+        if self.dispatcher.admits:
+            return 0  # the admitter sends what it placed, and again if a send failed
         cutoff = utcnow() - timedelta(seconds=self.settings.unsent_grace_s)
         with self.sessions() as session:
             pairs = [
@@ -287,6 +307,8 @@ class Reconciler:
         signal_stop(self.redis, self.keys, outcome.to_stop)
         if outcome.to_send:
             dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
+        if lost:
+            self.dispatcher.wake()  # their slots are free again (service.api.admit)
         return len(lost)
 
     def run(self, stop: threading.Event) -> None:

@@ -28,6 +28,8 @@ __all__ = [
     "LatestMetrics",
     "MetricPoint",
     "MetricsOut",
+    "QueueList",
+    "QueueOut",
     "WorkerList",
     "WorkerOut",
 ]
@@ -77,6 +79,9 @@ class JobSpec(BaseModel):
     procs_per_node: int = Field(1, ge=1, le=64)
     max_runtime_s: int | None = Field(None, ge=1, le=30 * 86400)
     retries: int = Field(0, ge=0, le=20)
+    # Admission order (service.api.admit): higher first; above the owner's max_priority
+    # (``trainq token limits``, else TRAINQ_MAX_PRIORITY) a submit is refused with 403.
+    priority: int = Field(0, ge=-1000, le=1000)
     train: TrainConfig
 
     def spec_hash(self) -> str:
@@ -119,6 +124,7 @@ class JobSummary(BaseModel):
     attempt: int
     retries: int
     retries_used: int
+    priority: int = 0
     created_at: UTCDatetime
     started_at: UTCDatetime | None = None
     ended_at: UTCDatetime | None = None
@@ -186,6 +192,35 @@ class WorkerOut(BaseModel):
 
 class WorkerList(BaseModel):
     items: list[WorkerOut]
+
+
+class QueuedGroup(BaseModel):
+    owner: str
+    priority: int
+    jobs: int
+
+
+class RunningGroup(BaseModel):
+    owner: str
+    jobs: int
+    units: int = Field(description="slots held (GPUs on a GPU queue)")
+
+
+class QueueOut(BaseModel):
+    name: str
+    workers: int = Field(description="live workers serving it (draining ones excluded)")
+    slots: int
+    free_slots: int
+    largest_slot_procs: int = Field(description="the most ranks per node one slot holds")
+    gpus: int
+    queued: int
+    running: int
+    queued_by: list[QueuedGroup] = Field(description="queued jobs by owner and priority")
+    running_by: list[RunningGroup]
+
+
+class QueueList(BaseModel):
+    items: list[QueueOut]
 
 
 class PlanParameters(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -102,6 +103,33 @@ class Settings(BaseSettings):
     submits_per_minute: int = Field(100_000, ge=0)
     submit_window_s: float = Field(60.0, gt=0)
     max_queued_per_owner: int = Field(100_000, ge=0)  # the owner's jobs in status queued
+
+    # Scheduling (service.api.admit). "admit": jobs wait in SQL and the admitter places each
+    # node on a chosen worker's own queue; "fifo": every job is sent to its queue's shared
+    # Celery list at submit, first come first served (the behaviour before admission, kept
+    # as the baseline the benchmarks compare against and for a single-team setup).
+    scheduler: Literal["admit", "fifo"] = "admit"
+    admit_interval_s: float = Field(1.0, gt=0)  # the periodic pass; events wake it sooner
+    # Fair share between owners of one priority: slot-seconds used, halved every this long.
+    fair_share_half_life_s: float = Field(3600.0, gt=0)
+    # A job is preempted at most once per this interval (no thrashing).
+    preempt_min_interval_s: float = Field(300.0, ge=0)
+    preemption: bool = True
+    # A gang that still failed to start is requeued after a backoff: base * 2^(n-1), capped.
+    gang_backoff_s: float = Field(5.0, ge=0)
+    gang_backoff_max_s: float = Field(300.0, ge=0)
+    # Owner defaults; ``trainq token limits`` sets one owner's (service.api.limits).
+    max_priority: int = Field(0, ge=-1000, le=1000)  # the highest priority a token may ask
+    max_running_per_owner: int = Field(0, ge=0)  # slots (GPUs on GPU queues) per queue; 0: none
+    # Per job: above this many ranks (nodes x procs_per_node) a spec must give max_runtime_s
+    # (0: never required); and the deadline given to a spec without one, per queue ("*": any).
+    max_runtime_required_ranks: int = Field(0, ge=0)
+    default_max_runtime_s: dict[str, int] = Field(default_factory=dict)
+    # Retention (service.api.retention): finished jobs older than this are deleted with their
+    # metrics and logs (0: kept forever); their run folders too when retention_remove_runs.
+    retention_days: float = Field(0.0, ge=0)
+    retention_remove_runs: bool = False
+    retention_interval_s: float = Field(3600.0, gt=0)
 
     @property
     def auth_enabled(self) -> bool:

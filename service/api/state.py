@@ -23,7 +23,7 @@ at once cannot both miss the last one, and a replayed exit is recognised.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -143,8 +143,12 @@ def attempt_exited(
     message: str,
     node: int | None = None,
     at: datetime | None = None,
+    gang_backoff: tuple[float, float] | None = None,
 ) -> Outcome:
-    """The attempt (or one ``node`` of it) ended; reason None with exit code 0 is a success."""
+    """The attempt (or one ``node`` of it) ended; reason None with exit code 0 is a success.
+    ``gang_backoff`` (base, cap in seconds): a gang that failed to start (``no_worker``) is
+    requeued without spending a retry, held back base * 2^(n-1) s after its n-th such
+    failure (the admitter's safety net); None: it fails, as without admission."""
     at = at or utcnow()
     if reason is None and exit_code != 0:
         reason = "exit_code"
@@ -152,9 +156,12 @@ def attempt_exited(
     if nodes > 1 and node is not None:
         return _node_exited(
             session, job_id, number, node, nodes, exit_code=exit_code, reason=reason,
-            message=message, at=at,
+            message=message, at=at, gang_backoff=gang_backoff,
         )  # fmt: skip
-    return _exit(session, job_id, number, exit_code, reason, message, at) or Outcome()
+    return (
+        _exit(session, job_id, number, exit_code, reason, message, at, gang_backoff=gang_backoff)
+        or Outcome()
+    )
 
 
 def _exit(
@@ -165,6 +172,7 @@ def _exit(
     reason: str | None,
     message: str,
     at: datetime,
+    gang_backoff: tuple[float, float] | None = None,
     **values: Any,
 ) -> Outcome | None:
     """End a live attempt as exited and settle its job; None if it had already ended."""
@@ -181,7 +189,7 @@ def _exit(
         **values,
     ):
         return None
-    return _settle(session, job_id, number, reason, message, at)
+    return _settle(session, job_id, number, reason, message, at, gang_backoff)
 
 
 def _nodes(session: Session, job_id: str) -> int:
@@ -199,6 +207,7 @@ def _node_exited(
     reason: str | None,
     message: str,
     at: datetime,
+    gang_backoff: tuple[float, float] | None = None,
 ) -> Outcome:
     """One node of a multi-node attempt exited: record it, and end the attempt at the first
     failure or once every node has succeeded."""
@@ -219,7 +228,9 @@ def _node_exited(
         return Outcome()
     if reason is not None:
         message = f"node {node} of {nodes}: {message}"
-    out = _exit(session, job_id, number, exit_code, reason, message, at, node_exits=done)
+    out = _exit(
+        session, job_id, number, exit_code, reason, message, at, gang_backoff, node_exits=done
+    )
     if out is None:
         return Outcome()
     if reason is not None:
@@ -256,6 +267,7 @@ def _settle(
     reason: str | None,
     message: str,
     at: datetime,
+    gang_backoff: tuple[float, float] | None = None,
 ) -> Outcome:
     """Decide the job once its current attempt has ended: done, failed, or a new attempt."""
     out = Outcome()
@@ -279,12 +291,27 @@ def _settle(
         return finish("cancelled", "cancelled", message or "cancelled")
     if reason is None:
         return finish("succeeded", None, None)
-    free = reason == "preempted"
+    gang = reason == "no_worker" and gang_backoff is not None
+    free = reason == "preempted" or gang
     if not free and not (reason in RETRYABLE and row.retries_used < row.retries):
         return finish("failed", reason, message)
 
     used = row.retries_used + (0 if free else 1)
-    note = "preempted; retrying (free)" if free else f"retry {used} of {row.retries}"
+    note = (
+        "preempted; requeued in its place (no retry spent)"
+        if free
+        else f"retry {used} of {row.retries}"
+    )
+    extra: dict[str, Any] = {}
+    if gang:
+        assert gang_backoff is not None
+        failures = _gang_failures(session, job_id)
+        wait = min(gang_backoff[1], gang_backoff[0] * 2 ** max(0, failures - 1))
+        extra["not_before"] = at + timedelta(seconds=wait)
+        note = (
+            f"its gang did not start ({failures} time(s)); requeued (no retry spent),"
+            f" admitted again after {wait:g} s"
+        )
     text = f"attempt {number} ended ({reason}: {message}); {note}"
     if not _cas_job(
         session,
@@ -296,6 +323,7 @@ def _settle(
         retries_used=used,
         reason=reason,
         message=text,
+        **extra,
     ):
         return out
     session.execute(
@@ -306,6 +334,18 @@ def _settle(
     out.changes.append(StatusChange(job_id, number + 1, "queued", reason, text))
     out.to_send.append((job_id, number + 1))
     return out
+
+
+def _gang_failures(session: Session, job_id: str) -> int:
+    """How many of the job's attempts ended because their gang did not start."""
+    return int(
+        session.execute(
+            select(func.count())
+            .select_from(ATTEMPTS)
+            .where(ATTEMPTS.c.job_id == job_id, ATTEMPTS.c.reason == "no_worker")
+        ).scalar()
+        or 0
+    )
 
 
 def cancel_job(session: Session, job_id: str, *, at: datetime | None = None) -> Outcome:

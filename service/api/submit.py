@@ -65,7 +65,9 @@ def submit_one(
             row, created = crud.create_job(session, principal, spec, key)
     # Committed first, sent second: a failed send leaves it for the reconciler.
     dispatcher = services.dispatcher
-    if created and not dispatcher.backing_off and dispatcher.send_attempt(row, 1):
+    if created and dispatcher.admits:
+        dispatcher.wake()  # the admitter places and sends it (service.api.admit)
+    elif created and not dispatcher.backing_off and dispatcher.send_attempt(row, 1):
         if postgres:
             with services.reader.connect() as conn:
                 conn.connection.driver_connection.execute(  # type: ignore[union-attr]
@@ -152,7 +154,9 @@ class GroupCommit:
                 return
             committed = [row for row, _ in batch if row["id"] in inserted]
             try:
-                if committed and not self.dispatcher.backing_off:
+                if committed and self.dispatcher.admits:
+                    await run_in_threadpool(self.dispatcher.wake)
+                elif committed and not self.dispatcher.backing_off:
                     await self._send(committed)
             finally:  # committed whatever happened to the send: the reconciler has the rest
                 for row, future in batch:

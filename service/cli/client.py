@@ -268,6 +268,10 @@ class Client:
         result: dict[str, Any] = self._json("POST", path, f"job {job_id}")
         return result
 
+    def delete_job(self, job_id: str) -> None:
+        """DELETE /v1/jobs/{id}: a finished job, its metrics and logs (409 while it runs)."""
+        self._request("DELETE", _job_path(job_id), f"job {job_id}")
+
     def metrics(self, job_id: str, *, max_points: int = 1000) -> dict[str, Any]:
         params = {"max_points": max_points}
         result: dict[str, Any] = self._json(
@@ -297,6 +301,10 @@ class Client:
 
     def workers(self) -> dict[str, Any]:
         result: dict[str, Any] = self._json("GET", "/v1/workers", "workers")
+        return result
+
+    def queues(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("GET", "/v1/queues", "queues")
         return result
 
     def healthz(self) -> bool:

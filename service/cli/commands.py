@@ -1,4 +1,5 @@
-"""The client commands of ``trainq``: submit, ls, status, logs, cancel, metrics, workers, data.
+"""The client commands of ``trainq``: submit, ls, status, logs, cancel, rm, metrics, workers,
+queues, data.
 
 ``register(app)`` adds them to the ``trainq`` Typer app (``service/cli/main.py``). They speak to
 the API over HTTP (``TRAINQ_URL``, default ``http://127.0.0.1:8000``; ``TRAINQ_TOKEN``) and
@@ -336,6 +337,14 @@ def register(app: typer.Typer) -> None:
             job = client.cancel(job_id)
         typer.echo(clean(f"job {job.get('id')} {job.get('status')}"))
 
+    @app.command("rm")
+    @cli_errors
+    def rm(job_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+        """Delete a finished job with its metrics and logs (a running one: cancel it first)."""
+        with _client() as client:
+            client.delete_job(job_id)
+        typer.echo(clean(f"job {job_id} deleted"))
+
     @app.command("metrics")
     @cli_errors
     def metrics(
@@ -393,6 +402,36 @@ def register(app: typer.Typer) -> None:
         ]
         header = ["NAME", "HOST", "QUEUES", "SLOTS", "GPUS", "RUNNING", "SEEN"]
         typer.echo(table(rows, header) if rows else "no live workers")
+
+    @app.command("queues")
+    @cli_errors
+    def queues(
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+    ) -> None:
+        """Queues: capacity (workers, free/all slots, slot size), running and queued jobs,
+        and who queued them at which priority."""
+        with _client() as client:
+            out = client.queues()
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))
+            return
+        rows = [
+            [
+                q["name"],
+                fmt(q.get("workers")),
+                f"{q.get('free_slots', 0)}/{q.get('slots', 0)}",
+                fmt(q.get("largest_slot_procs")),
+                fmt(q.get("running")),
+                fmt(q.get("queued")),
+                ", ".join(
+                    f"{g['owner']}@{g['priority']}:{g['jobs']}" for g in q.get("queued_by") or []
+                )
+                or "-",
+            ]
+            for q in out.get("items", [])
+        ]
+        header = ["QUEUE", "WORKERS", "FREE", "SLOT_PROCS", "RUNNING", "QUEUED", "QUEUED_BY"]
+        typer.echo(table(rows, header) if rows else "no queues")
 
     @data_app.command("prepare")
     @cli_errors

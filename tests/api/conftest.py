@@ -60,6 +60,9 @@ def make_settings(
             "auth": "on",
             "ingest": False,
             "reconcile": False,
+            # Submit sends at once (the fifo scheduler): these tests drive dispatch, the
+            # reconciler and the ingestor directly; test_admit.py drives the admitter.
+            "scheduler": "fifo",
             "consumer_name": "test-consumer",
             "ingest_claim_idle_ms": 60_000,
             "heartbeat_grace_s": 0,

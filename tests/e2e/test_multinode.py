@@ -2,9 +2,10 @@
 
 A system of its own (the fast settings of conftest.py, and a 10 s gang timeout) with two
 Celery workers of one slot serving QUEUE, so a job of 2 nodes runs one node on each, and a
-job of 3 nodes can never gather its gang. Each node's torchrun runs 1 rank (gloo, CPU,
-loopback rendezvous); what the tests assert is read through the API, the job's event stream
-and the process table.
+job of 3 nodes is never admitted (service.api.admit places a gang whole or not at all); a
+gang placed on a worker that takes nothing (stopped) times out and is requeued. Each node's
+torchrun runs 1 rank (gloo, CPU, loopback rendezvous); what the tests assert is read through
+the API, the job's event stream and the process table.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -121,26 +123,50 @@ def test_two_nodes_of_one_rank_run_on_two_workers_and_train_like_one_node_of_two
     assert mine == straight, {s: (mine[s], straight[s]) for s in mine if mine[s] != straight[s]}
 
 
-def test_a_gang_that_cannot_gather_fails_with_no_worker_and_starts_nothing(
-    cluster: Cluster,
-) -> None:
+def test_a_gang_larger_than_its_queue_waits_and_starts_nothing(cluster: Cluster) -> None:
     job_id = submit(cluster, "nodes-3", TRAIN, nodes=3, procs_per_node=1)
-    job = cluster.wait_job(job_id, DONE, GANG_TIMEOUT_S + 60)
-    assert (job["status"], job["reason"]) == ("failed", "no_worker"), job
-    assert f"gang of 3 nodes incomplete after {GANG_TIMEOUT_S} s: 2 joined (" in job["message"]
-    assert "node 0 on e2e-" in job["message"] or "node 1 on e2e-" in job["message"]
-    [attempt] = job["attempts"]
-    assert attempt["status"] == "exited" and attempt["started_at"] is None
-    # The third node's task runs once a worker is free and leaves at once: it finds the
-    # attempt stopped by the service (or the gang closed).
-    exits = node_exits(cluster, job_id, 3, 60)
-    assert [exits[n]["reason"] for n in (0, 1)] == ["no_worker", "no_worker"], exits
-    assert (exits[2]["reason"], exits[2]["message"]) in (
-        ("cancelled", "stopped: attempt 1 already ended on another node"),
-        ("no_worker", job["message"].split(": ", 1)[1]),
-    ), exits[2]
-    assert not [e for e in lifecycle(cluster, job_id) if e["phase"] == "running"]
-    # The process table of the machine both workers run on: no guard, torchrun or rank.
+    why = f"a gang of 3 nodes; queue {QUEUE} has 2 slot(s) on 2 worker(s)"
+    job = wait_for(
+        lambda: why in (cluster.job(job_id)["pending_reason"] or "") and cluster.job(job_id),
+        10,
+        "the admitter's reason",
+        every=0.2,
+    )
+    assert job["status"] == "queued" and job["attempts"][0]["status"] == "dispatched", job
+    assert lifecycle(cluster, job_id) == [], "no node was sent anywhere"
+    with cluster.api.client() as client:
+        assert client.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+
+
+def test_a_gang_that_cannot_gather_is_requeued_with_backoff_not_failed(cluster: Cluster) -> None:
+    """The admitter's safety net: a worker that looks alive but takes nothing (stopped with
+    SIGSTOP) gets a node; the other node's gang wait times out, and the job is requeued,
+    held back, then runs once the worker is back, without spending a retry."""
+    frozen = sorted(cluster.workers)[1]
+    proc = cluster.workers[frozen]
+    os.kill(proc.popen.pid, signal.SIGSTOP)
+    try:
+        job_id = submit(cluster, "nodes-stuck", TRAIN, nodes=2, procs_per_node=1)
+
+        def requeued() -> dict[str, Any] | None:
+            job = cluster.job(job_id)
+            return job if job["attempt"] == 2 else None
+
+        job = wait_for(requeued, GANG_TIMEOUT_S + 30, "the gang to give up", every=0.2)
+    finally:
+        os.kill(proc.popen.pid, signal.SIGCONT)
+    assert job["status"] in ("queued", "running"), job
+    assert job["reason"] == "no_worker" and job["retries_used"] == 0, job
+    assert "its gang did not start (1 time(s)); requeued (no retry spent)" in job["message"], job
+    assert f"gang of 2 nodes incomplete after {GANG_TIMEOUT_S} s" in job["message"], job
+    done = cluster.wait_job(job_id, DONE, 120)
+    assert (done["status"], done["retries_used"]) == ("succeeded", 0), done
+    first, second = done["attempts"]
+    assert (first["reason"], first["started_at"]) == ("no_worker", None), first
+    assert second["exit_code"] == 0, second
+    # Held back for the backoff (5 s) after the first attempt ended.
+    gap = datetime.fromisoformat(second["started_at"]) - datetime.fromisoformat(first["ended_at"])
+    assert gap.total_seconds() >= 4.5, gap
     assert cluster.processes(job_id) == []
 
 

@@ -386,8 +386,10 @@ BROKER_NAMES = ("unacked_index", "unacked", "unacked_mutex", "celery", "celeryev
 def test_a_queue_named_like_the_brokers_own_keys_harms_no_worker(cluster: Cluster) -> None:
     import redis
 
-    for name in BROKER_NAMES:  # accepted, and wait for a worker that serves them
-        cluster.submit(f"e2e-hostile-{name}", TRAIN, queue=name, procs_per_node=1)
+    hostile = {  # accepted, and wait in SQL for a worker that serves them
+        name: cluster.submit(f"e2e-hostile-{name}", TRAIN, queue=name, procs_per_node=1)
+        for name in BROKER_NAMES
+    }
     job_id = cluster.submit("e2e-after-hostile", {**TRAIN, "steps": 3}, procs_per_node=1)
     job = cluster.wait_job(job_id, ("succeeded", "failed", "cancelled"), 60)
     assert job["status"] == "succeeded", job
@@ -398,7 +400,13 @@ def test_a_queue_named_like_the_brokers_own_keys_harms_no_worker(cluster: Cluste
         # kombu's keys keep the types kombu gives them; the hostile queues live under the prefix.
         assert broker.type("unacked_index") in (b"zset", b"none")
         assert broker.type("unacked") in (b"hash", b"none")
-        for name in BROKER_NAMES:
-            assert broker.llen(f"trainq.{name}") == 1, name
+        for name, hostile_id in hostile.items():
+            # The admitter sends only to a worker it chose: nothing reaches the broker.
+            assert broker.llen(f"trainq.{name}") == 0, name
+            job = cluster.job(hostile_id)
+            assert (job["status"], job["pending_reason"]) == (
+                "queued",
+                f"no worker serves queue {name}",
+            ), job
     finally:
         broker.close()

@@ -1,4 +1,4 @@
-"""Jobs: submit, list, get, cancel."""
+"""Jobs: submit, list, get, cancel, delete."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ from redis import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from service.api import crud, job_json
+from service.api.admit import apending_reason, pending_reason
 from service.api.auth import Principal
 from service.api.datasets import resolve_dataset
 from service.api.deps import PrincipalDep, Services, ServicesDep
-from service.api.errors import InvalidInput, NotFound, PayloadTooLarge
+from service.api.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from service.api.limits import OwnerLimits, apply_runtime_rules, check_priority
+from service.api.models import TERMINAL
 from service.api.notify import publish_status, signal_cancel
+from service.api.retention import delete_jobs
 from service.api.routes import errors
 from service.api.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary, PlanOut
 from service.api.state import cancel_job
@@ -136,7 +140,9 @@ def _check_init_job(services: Services, principal: Principal, job_id: str) -> No
             )
 
 
-def _check_limits(services: Services, principal: Principal, key: str | None) -> None:
+def _check_limits(
+    services: Services, principal: Principal, key: str | None, own: OwnerLimits
+) -> None:
     """The owner's submit limits (``service.api.ratelimit``): 429 past one. A replay of an
     Idempotency-Key already used creates nothing, so it is neither counted nor refused."""
     limits = services.limits
@@ -145,7 +151,18 @@ def _check_limits(services: Services, principal: Principal, key: str | None) -> 
         with services.reader.connect() as conn:
             if limits.replay(conn, principal.name, key):
                 return
-    limits.check(services.reader.connect, principal.name)
+    limits.check(services.reader.connect, principal.name, own)
+
+
+async def _owner_limits(services: Services, principal: Principal) -> OwnerLimits:
+    """The caller's limits (``service.api.limits``): cached, a query only on a miss."""
+    if services.limits is None:
+        return OwnerLimits.merged(services.settings)
+    owners = services.limits.owners
+    own = owners.cached(principal.name)
+    if own is None:
+        own = await run_in_threadpool(owners.get, services.reader.connect, principal.name)
+    return own
 
 
 def _queue_devices(services: Services, queue: str) -> tuple[list[dict[str, Any]] | None, str]:
@@ -220,7 +237,7 @@ def openapi_components() -> dict[str, Any]:
             "description": "the job this Idempotency-Key already created (JobOut), or with"
             " dry_run=true the plan of the spec (PlanOut): nothing stored, nothing sent",
         },
-        **errors(401, 409, 429),
+        **errors(401, 403, 409, 429),
     },
     openapi_extra={
         "requestBody": {
@@ -258,10 +275,13 @@ async def submit_job(
     if spec.train.data.dataset is not None:  # frozen as its folder (service.api.datasets)
         data_root = services.settings.data_root
         spec = await run_in_threadpool(resolve_dataset, services.reader, data_root, principal, spec)
+    spec = apply_runtime_rules(spec, services.settings)  # 422, or the queue's default deadline
+    own = await _owner_limits(services, principal)
+    check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
     if dry_run:
         return await run_in_threadpool(_plan_answer, services, spec)
-    if services.limits is not None and services.limits.active:
-        await run_in_threadpool(_check_limits, services, principal, idempotency_key)
+    if services.limits is not None and (own.submits_per_minute or own.max_queued):
+        await run_in_threadpool(_check_limits, services, principal, idempotency_key, own)
     row = crud.job_row(principal, spec, idempotency_key)
     if services.submits is not None and await services.submits.add(row):
         created = True  # committed with the other submits of its batch (service.api.submit)
@@ -344,6 +364,10 @@ def _pending_reason(services: Services, session: Any, row: Any) -> str:
         return NO_REGISTRY.format(queue)  # the job is still answered; only the hint is vague
     if not _served(queue, workers):
         return f"no worker serves queue {queue}"
+    if services.dispatcher.admits:
+        why = pending_reason(services.redis, services.keys, row["id"], queue)
+        if why is not None:
+            return why
     return f"position {crud.queue_position(session, queue, row['id'])} in queue {queue}"
 
 
@@ -386,6 +410,10 @@ async def _aget(services: Services, principal: Principal, job_id: str) -> Respon
         else:
             if not _served(queue, workers):
                 reason = f"no worker serves queue {queue}"
+            elif services.dispatcher.admits and (
+                why := await apending_reason(services.aredis, services.keys, job_id, queue)
+            ):
+                reason = why
             else:
                 position = await crud.aqueue_position(reader, job_id)
                 reason = f"position {position} in queue {queue}"
@@ -418,3 +446,33 @@ def cancel(job_id: JobId, services: ServicesDep, principal: PrincipalDep) -> Res
             maxlen=services.settings.job_stream_maxlen,
         )
     return _get(services, principal, job_id, pending=False)
+
+
+@router.delete(
+    "/v1/jobs/{job_id}",
+    status_code=204,
+    response_class=Response,
+    responses=errors(401, 404, 409),
+)
+def delete_job(job_id: JobId, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Delete a finished job: its record, attempts, metrics and logs (and its run folder with
+    TRAINQ_RETENTION_REMOVE_RUNS); 409 while it is queued, running or cancelling."""
+    with services.sessions() as session:
+        row = crud.get_job(session, principal, job_id)
+    if row is None:
+        raise NotFound(f"job {job_id} not found")
+    if row["status"] not in TERMINAL:
+        then = "wait until it has stopped" if row["status"] == "cancelling" else "cancel it first"
+        raise Conflict(f"job {job_id} is {row['status']}; {then}")
+    settings = services.settings
+    deleted = delete_jobs(
+        services.sessions,
+        [job_id],
+        settings.runs_root,
+        settings.retention_remove_runs,
+        redis=services.redis,
+        keys=services.keys,
+    )
+    if not deleted:  # deleted meanwhile by another request, or by the retention pass
+        raise NotFound(f"job {job_id} not found")
+    return Response(status_code=204)

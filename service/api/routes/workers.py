@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Response
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from service.api.auth import Principal
 from service.api.deps import PrincipalDep, Services, ServicesDep
-from service.api.models import JOBS
+from service.api.models import ATTEMPTS, JOBS
 from service.api.routes import errors
-from service.api.schemas import WorkerList, WorkerOut
+from service.api.schemas import QueueList, QueueOut, WorkerList, WorkerOut
 
 __all__ = ["router"]
 
@@ -63,3 +63,69 @@ def list_workers(services: ServicesDep, principal: PrincipalDep) -> Response:
         key=lambda w: w.name,
     )
     return Response(WorkerList(items=items).model_dump_json(), media_type="application/json")
+
+
+@router.get("/v1/queues", response_model=QueueList, responses=errors(401))
+def list_queues(services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Each queue's capacity (live workers, slots, free slots, slot size, GPUs), its use, and
+    its queued jobs by owner and priority (the admission order's inputs: service.api.admit).
+    Queues that only have jobs (no worker) are listed too, with zero capacity."""
+    workers = [w for w in services.live_workers(max_age_s=0) if not w.get("draining")]
+    with services.reader.connect() as conn:
+        queued = list(
+            conn.execute(
+                select(JOBS.c.queue, JOBS.c.owner, JOBS.c.priority, func.count())
+                .join(ATTEMPTS, ATTEMPTS.c.job_id == JOBS.c.id)
+                .where(JOBS.c.status == "queued", ATTEMPTS.c.number == JOBS.c.attempt)
+                .where(ATTEMPTS.c.placement.is_(None))  # placed ones hold capacity already
+                .group_by(JOBS.c.queue, JOBS.c.owner, JOBS.c.priority)
+            )
+        )
+        live = ATTEMPTS.c.status.in_(("dispatched", "running"))
+        held = list(
+            conn.execute(
+                select(
+                    JOBS.c.queue,
+                    JOBS.c.owner,
+                    func.count(),
+                    func.sum(JOBS.c.nodes),
+                    func.sum(JOBS.c.nodes * JOBS.c.procs_per_node),
+                )
+                .join(ATTEMPTS, ATTEMPTS.c.job_id == JOBS.c.id)
+                .where(live, ATTEMPTS.c.number == JOBS.c.attempt)
+                .where((ATTEMPTS.c.status == "running") | ATTEMPTS.c.placement.is_not(None))
+                .group_by(JOBS.c.queue, JOBS.c.owner)
+            )
+        )
+    names = {q for w in workers for q in w.get("queues") or () if isinstance(q, str)}
+    names |= {r[0] for r in queued} | {r[0] for r in held}
+    items = []
+    for name in sorted(names):
+        serving = [w for w in workers if name in (w.get("queues") or ())]
+        gpu = any(w.get("gpus") for w in serving)
+        slots = sum(int(w.get("slots") or 1) for w in serving)
+        busy = sum(min(int(w.get("slots") or 1), int(w.get("busy") or 0)) for w in serving)
+        by_owner = [r for r in held if r[0] == name]
+        items.append(
+            QueueOut(
+                name=name,
+                workers=len(serving),
+                slots=slots,
+                free_slots=max(0, slots - busy),
+                largest_slot_procs=max((int(w.get("slot_procs") or 0) for w in serving), default=0),
+                gpus=sum(len(w.get("gpus") or ()) for w in serving),
+                queued=sum(int(r[3]) for r in queued if r[0] == name),
+                running=sum(int(r[2]) for r in by_owner),
+                queued_by=[
+                    {"owner": r[1], "priority": r[2], "jobs": r[3]}
+                    for r in sorted(
+                        (r for r in queued if r[0] == name), key=lambda r: (-r[2], r[1])
+                    )
+                ],
+                running_by=[
+                    {"owner": r[1], "jobs": r[2], "units": int(r[4] if gpu else r[3])}
+                    for r in sorted(by_owner, key=lambda r: r[1])
+                ],
+            )
+        )
+    return Response(QueueList(items=items).model_dump_json(), media_type="application/json")

@@ -1,0 +1,782 @@
+"""The admitter: the service decides which queued job starts where; Celery only carries.
+
+Jobs wait in SQL as ``queued``; their current attempt is ``dispatched`` with
+``attempts.placement`` null. One pass at a time across all API replicas (the reconciler's
+lock pattern), woken by events (a submit, an attempt's exit, a worker joining or leaving, a
+cancel; all publish on ``Keys.admit_channel``) and by a slow periodic pass:
+
+1. Capacity: the live workers of the registry (``{prefix}:workers``; an entry older than
+   ``worker_stale_s`` or draining offers nothing), each with ``slots`` of ``slot_procs``
+   ranks; minus what is placed on it and not yet seen to end (attempts ``dispatched`` or
+   ``running`` with a placement: the admitter's own record), or what the worker says it
+   holds, whichever is more. A worker that vanishes returns its capacity when its entry goes
+   stale; an attempt placed on it that no node claimed is placed again elsewhere.
+2. Order, per queue: priority (higher first), then fair share between owners (slot-seconds
+   used, halved every ``fair_share_half_life_s``, kept in Redis so a replica that takes over
+   the lock continues it; a placement charges its owner at once, so two owners with equal
+   use alternate within a pass), then submit time (the job id is time-ordered). A retry or
+   a preempted job keeps its job's place.
+3. Placement, all nodes at once or none (a gang never holds half the cluster): each node on
+   a slot of a worker that serves the queue and whose slot holds ``procs_per_node`` ranks,
+   fullest workers first (best fit). A job that does not fit is skipped and later ones may
+   still start (Kueue's BestEffortFIFO); a job over its owner's running quota waits.
+4. Preemption: for the first job of a queue that waits for capacity, if strictly
+   lower-priority running jobs of that queue hold enough, the fewest and newest of them are
+   asked to yield (``Keys.preempt``: the worker stops the run with SIGTERM, the trainer
+   checkpoints, the attempt exits ``preempted``, and the state machine requeues the job
+   without spending a retry). A job is preempted at most once per
+   ``preempt_min_interval_s``; while a preemption in a queue is under way, none more starts
+   there.
+5. Commit the placements (compare-and-set on the attempt), then send each node's message to
+   its worker's own queue (``worker.message.worker_queue``) and mark the attempt sent. A
+   send that fails leaves ``sent_at`` null: the next pass sends it again to the same workers
+   (or places it again if one of them died); only the admitter sends in this mode, so the
+   reconciler and the admitter never both send one attempt (and the worker's claim makes a
+   duplicate harmless anyway).
+6. Pending reasons: every queued job's position in its queue's admission order, what it
+   waits for and who is ahead, written to Redis (``{prefix}:pending``) for the first
+   ``PENDING_DETAIL`` jobs of each queue, and a summary for the rest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, null, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.api.dispatch import Dispatcher, message_tag
+from service.api.limits import running_caps
+from service.api.models import ATTEMPTS, JOBS, utcnow
+from service.api.settings import Settings
+from trainer.events import Keys
+from worker.message import worker_queue
+
+__all__ = ["Admitter", "Plan", "apending_reason", "decide", "pending_reason"]
+
+log = logging.getLogger(__name__)
+
+# Queued jobs per queue whose pending reason is written one by one; the rest share a line.
+PENDING_DETAIL = 200
+# Owners named as "ahead" in a pending reason.
+AHEAD_NAMES = 3
+# What a placement charges its owner's fair-share use at once (slot-seconds per unit).
+PLACE_CHARGE_S = 1.0
+
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+# -- The inputs of a decision, as plain values (the benchmark builds them directly) --------
+
+
+@dataclass
+class Worker:
+    name: str
+    queues: frozenset[str]
+    slots: int
+    slot_procs: int
+    gpus_per_slot: int
+    free: int
+
+
+@dataclass
+class Waiting:
+    """A queued job's current attempt, waiting for admission."""
+
+    job_id: str
+    attempt: int
+    owner: str
+    queue: str
+    nodes: int
+    procs: int
+    priority: int
+    not_before: datetime | None = None
+
+
+@dataclass
+class Held:
+    """A placed attempt not yet seen to end: it holds a slot on each of its workers."""
+
+    job_id: str
+    attempt: int
+    owner: str
+    queue: str
+    nodes: int
+    procs: int
+    priority: int
+    placement: list[str]
+    created_at: datetime
+    preempted_at: datetime | None
+    status: str
+
+    @property
+    def yielding(self) -> bool:
+        """Asked to yield (preempted) after this attempt began: it is stopping."""
+        return self.preempted_at is not None and _aware(self.preempted_at) >= _aware(
+            self.created_at
+        )
+
+
+@dataclass
+class Plan:
+    """What one pass decided."""
+
+    place: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    preempt: list[tuple[Held, str]] = field(default_factory=list)  # victim, message
+    # queue -> [(job id, reason)] in admission order (the first PENDING_DETAIL of each)
+    reasons: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # per queue
+
+
+def units(nodes: int, procs: int, gpu: bool) -> int:
+    """What a job counts against quotas and fair share: GPUs on a GPU queue, else slots."""
+    return nodes * procs if gpu else nodes
+
+
+def decide(
+    workers: list[Worker],
+    waiting: list[Waiting],
+    held: list[Held],
+    usage: Mapping[str, float],
+    *,
+    now: datetime,
+    default_cap: int | None = None,
+    caps: Mapping[str, int] | None = None,
+    preempt_interval_s: float = 300.0,
+    preemption: bool = True,
+) -> Plan:
+    """One admission decision over plain values: which waiting attempts go where, who is
+    preempted, and why each of the others waits. ``workers[].free`` is consumed."""
+    caps = caps or {}
+    plan = Plan()
+    usage = dict(usage)
+    by_queue: dict[str, list[Waiting]] = defaultdict(list)
+    for w in waiting:
+        by_queue[w.queue].append(w)
+    serving: dict[str, list[Worker]] = defaultdict(list)
+    for wk in workers:
+        for q in wk.queues:
+            serving[q].append(wk)
+    gpu_queue = {q: any(wk.gpus_per_slot for wk in ws) for q, ws in serving.items()}
+    owner_held: dict[tuple[str, str], int] = defaultdict(int)
+    held_by_queue: dict[str, list[Held]] = defaultdict(list)
+    for h in held:
+        owner_held[(h.owner, h.queue)] += units(h.nodes, h.procs, gpu_queue.get(h.queue, False))
+        held_by_queue[h.queue].append(h)
+
+    for queue in sorted(by_queue):
+        jobs = by_queue[queue]
+        workers_q = serving.get(queue, [])
+        gpu = gpu_queue.get(queue, False)
+        largest = max((wk.slot_procs for wk in workers_q), default=0)
+        total_slots = sum(wk.slots for wk in workers_q)
+        reasons: list[tuple[str, str]] = []
+        ahead: dict[str, int] = defaultdict(int)  # owner -> jobs ahead so far
+        yielding = [h for h in held_by_queue.get(queue, ()) if h.yielding]
+        preempted_for: str | None = None
+        position = 0
+        for job in _order(jobs, usage, gpu):
+            why = _why_not(
+                job, workers_q, largest, total_slots, now, owner_held, default_cap, caps, gpu
+            )
+            if why is None:
+                chosen = _place(job, workers_q)
+                if chosen is not None:
+                    plan.place[(job.job_id, job.attempt)] = chosen
+                    n = units(job.nodes, job.procs, gpu)
+                    owner_held[(job.owner, queue)] += n
+                    usage[job.owner] = usage.get(job.owner, 0.0) + n * PLACE_CHARGE_S
+                    continue
+                free = sum(wk.free for wk in workers_q if wk.slot_procs >= job.procs)
+                why = (
+                    f"waiting for capacity: needs {job.nodes} slot(s) of {job.procs} rank(s)"
+                    f" on queue {queue}, {free} free"
+                )
+                if yielding:
+                    names = ", ".join(sorted({h.job_id for h in yielding}))
+                    why += f"; job(s) {names} are checkpointing to yield theirs"
+                elif preemption and preempted_for is None:
+                    victims = _victims(job, workers_q, held_by_queue.get(queue, ()), now,
+                                       preempt_interval_s)  # fmt: skip
+                    if victims:
+                        preempted_for = job.job_id
+                        names = ", ".join(v.job_id for v in victims)
+                        msg = (
+                            f"preempted by job {job.job_id} (priority {job.priority}) on queue"
+                            f" {queue}; it resumes from its checkpoint when capacity frees"
+                        )
+                        plan.preempt += [(v, msg) for v in victims]
+                        why += f"; preempting lower-priority job(s) {names}"
+            position += 1  # among the jobs that still wait after this pass
+            if position <= PENDING_DETAIL:
+                before = sorted(ahead.items(), key=lambda kv: -kv[1])[:AHEAD_NAMES]
+                who = ", ".join(f"{o} ({c})" for o, c in before)
+                tail = f"; ahead: {who}" if who else ""
+                reasons.append((job.job_id, f"position {position} in queue {queue}: {why}{tail}"))
+            ahead[job.owner] += 1
+        plan.reasons[queue] = reasons
+        plan.summary[queue] = {
+            "queued": position,
+            "detailed": min(len(jobs), PENDING_DETAIL),
+        }
+    return plan
+
+
+def _order(jobs: list[Waiting], usage: Mapping[str, float], gpu: bool) -> Iterable[Waiting]:
+    """Admission order of one queue: priority, then the owner with the least decayed use
+    (charged as each job is yielded, so owners of equal use alternate), then job id."""
+    by_level: dict[int, dict[str, list[Waiting]]] = defaultdict(lambda: defaultdict(list))
+    for j in jobs:
+        by_level[j.priority][j.owner].append(j)
+    for priority in sorted(by_level, reverse=True):
+        owners = by_level[priority]
+        heap = []
+        for owner, lst in owners.items():
+            lst.sort(key=lambda j: j.job_id)
+            heap.append((usage.get(owner, 0.0), lst[0].job_id, owner, 0))
+        heapq.heapify(heap)
+        used = {o: usage.get(o, 0.0) for o in owners}
+        while heap:
+            _, _, owner, i = heapq.heappop(heap)
+            lst = owners[owner]
+            job = lst[i]
+            yield job
+            used[owner] += units(job.nodes, job.procs, gpu) * PLACE_CHARGE_S
+            if i + 1 < len(lst):
+                heapq.heappush(heap, (used[owner], lst[i + 1].job_id, owner, i + 1))
+
+
+def _why_not(
+    job: Waiting,
+    workers: list[Worker],
+    largest: int,
+    total_slots: int,
+    now: datetime,
+    owner_held: Mapping[tuple[str, str], int],
+    default_cap: int | None,
+    caps: Mapping[str, int],
+    gpu: bool,
+) -> str | None:
+    """Why ``job`` cannot be placed whatever the free capacity, or None."""
+    if job.not_before is not None and _aware(job.not_before) > now:
+        until = _aware(job.not_before).strftime("%H:%M:%S")
+        return f"backing off after its gang failed to start; next try after {until} UTC"
+    if not workers:
+        return f"no worker serves queue {job.queue}"
+    if job.procs > largest:
+        return f"needs {job.procs} per node; the largest slot on queue {job.queue} has {largest}"
+    if job.nodes > total_slots:
+        return (
+            f"a gang of {job.nodes} nodes; queue {job.queue} has {total_slots} slot(s)"
+            f" on {len(workers)} worker(s)"
+        )
+    cap = caps.get(job.owner, default_cap)
+    if cap:  # None or 0: no cap
+        have = owner_held.get((job.owner, job.queue), 0)
+        need = units(job.nodes, job.procs, gpu)
+        if have + need > cap:
+            what = "GPUs" if gpu else "slots"
+            return (
+                f"waiting for quota: owner {job.owner} holds {have} of its {cap} {what}"
+                f" on queue {job.queue}"
+            )
+    return None
+
+
+def _place(job: Waiting, workers: list[Worker]) -> list[str] | None:
+    """A worker for every node, or None; takes the slots from ``workers`` if it fits."""
+    fit = [wk for wk in workers if wk.free > 0 and wk.slot_procs >= job.procs]
+    if sum(wk.free for wk in fit) < job.nodes:
+        return None
+    fit.sort(key=lambda wk: (wk.free, wk.name))  # fullest first: keep big holes for gangs
+    chosen: list[str] = []
+    for wk in fit:
+        take = min(wk.free, job.nodes - len(chosen))
+        wk.free -= take
+        chosen += [wk.name] * take
+        if len(chosen) == job.nodes:
+            return chosen
+    return None  # not reached: the sum was checked
+
+
+def _victims(
+    job: Waiting,
+    workers: list[Worker],
+    held: Iterable[Held],
+    now: datetime,
+    interval_s: float,
+) -> list[Held]:
+    """The fewest, newest strictly-lower-priority placed attempts whose slots would let
+    ``job`` be placed; [] if none would."""
+    cutoff = now - timedelta(seconds=interval_s)
+    candidates = [
+        h
+        for h in held
+        if h.priority < job.priority
+        and not h.yielding
+        and (h.preempted_at is None or _aware(h.preempted_at) <= cutoff)
+    ]
+    # Lowest priority first, then newest (it loses the least work).
+    candidates.sort(key=lambda h: (h.priority, -_aware(h.created_at).timestamp()))
+    fits = [wk for wk in workers if wk.slot_procs >= job.procs]
+    free = {wk.name: wk.free for wk in fits}
+
+    def enough(chosen: list[Held]) -> bool:
+        extra: dict[str, int] = defaultdict(int)
+        for h in chosen:
+            for name in h.placement:
+                if name in free:
+                    extra[name] += 1
+        return sum(free.values()) + sum(extra.values()) >= job.nodes
+
+    for h in candidates:  # one victim, if one is enough
+        if enough([h]):
+            return [h]
+    chosen: list[Held] = []
+    for h in candidates:
+        chosen.append(h)
+        if enough(chosen):
+            return chosen
+    return []
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+# -- The pass against the stores -------------------------------------------------------------
+
+
+class Admitter:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        redis: Any,
+        dispatcher: Dispatcher,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.redis = redis
+        self.dispatcher = dispatcher
+        self.keys = Keys(settings.redis_prefix)
+        prefix = settings.redis_prefix
+        self.lock_key = f"{prefix}:admit:lock"
+        self.usage_key = f"{prefix}:usage"
+        self.pending_key = f"{prefix}:pending"
+        self.pending_queues_key = f"{prefix}:pending:queues"
+        self.wake_event = dispatcher.admit_wake  # set by this process's submits and events
+        self._last_pending: dict[str, str] = {}
+        self.last: dict[str, float] = {}  # timings of the last pass (ms), for the benchmark
+
+    # The stores' view -----------------------------------------------------------------------
+
+    def live_workers(self, now: float) -> list[dict[str, Any]]:
+        out = []
+        for name, raw in self.redis.hgetall(self.keys.workers).items():
+            try:
+                info = json.loads(raw)
+                ts = float(info["ts"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if not isinstance(info, dict) or now - ts > self.settings.worker_stale_s:
+                continue
+            info["name"] = name.decode() if isinstance(name, bytes) else str(name)
+            out.append(info)
+        return out
+
+    def _held(self, session: Session) -> list[Any]:
+        return list(
+            session.execute(
+                select(
+                    ATTEMPTS.c.id,
+                    ATTEMPTS.c.job_id,
+                    ATTEMPTS.c.number,
+                    ATTEMPTS.c.status,
+                    ATTEMPTS.c.placement,
+                    ATTEMPTS.c.sent_at,
+                    ATTEMPTS.c.created_at,
+                    JOBS.c.owner,
+                    JOBS.c.queue,
+                    JOBS.c.nodes,
+                    JOBS.c.procs_per_node,
+                    JOBS.c.priority,
+                    JOBS.c.preempted_at,
+                )
+                .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
+                .where(
+                    ATTEMPTS.c.status.in_(("dispatched", "running")),
+                    ATTEMPTS.c.placement.is_not(None),
+                )
+            )
+        )
+
+    def _waiting(self, session: Session) -> list[Waiting]:
+        rows = session.execute(
+            select(
+                JOBS.c.id,
+                JOBS.c.attempt,
+                JOBS.c.owner,
+                JOBS.c.queue,
+                JOBS.c.nodes,
+                JOBS.c.procs_per_node,
+                JOBS.c.priority,
+                JOBS.c.not_before,
+            )
+            .join(
+                ATTEMPTS,
+                and_(ATTEMPTS.c.job_id == JOBS.c.id, ATTEMPTS.c.number == JOBS.c.attempt),
+            )
+            .where(
+                JOBS.c.status == "queued",
+                ATTEMPTS.c.status == "dispatched",
+                ATTEMPTS.c.placement.is_(None),
+            )
+        )
+        return [Waiting(*r) for r in rows]
+
+    def _usage(self, held: list[Held], gpu: Mapping[str, bool], now: float) -> dict[str, float]:
+        """Each owner's decayed slot-seconds; the owners holding slots now are charged the
+        time since their last update (at most a few intervals: a replica taking over the
+        lock does not charge for the time nobody was admitting)."""
+        half = self.settings.fair_share_half_life_s
+        raw = self.redis.hgetall(self.usage_key)
+        usage: dict[str, float] = {}
+        stamps: dict[str, float] = {}
+        for k, v in raw.items():
+            try:
+                value, ts = (float(x) for x in v.decode().split(":"))
+            except (ValueError, AttributeError):
+                continue
+            owner = k.decode() if isinstance(k, bytes) else str(k)
+            usage[owner] = value * math.pow(2.0, -max(0.0, now - ts) / half)
+            stamps[owner] = ts
+        holding: dict[str, int] = defaultdict(int)
+        for h in held:
+            holding[h.owner] += units(h.nodes, h.procs, gpu.get(h.queue, False))
+        if holding:
+            most = self.settings.admit_interval_s * 5
+            pipe = self.redis.pipeline(transaction=False)
+            for owner, n in holding.items():
+                dt = min(most, max(0.0, now - stamps.get(owner, now)))
+                usage[owner] = usage.get(owner, 0.0) + n * dt
+                pipe.hset(self.usage_key, owner, f"{usage[owner]:.3f}:{now:.3f}")
+            pipe.execute()
+        return usage
+
+    # One pass -------------------------------------------------------------------------------
+
+    def run_once(self) -> dict[str, int] | None:
+        """One pass if no other replica holds the lock: counts of what it did, else None."""
+        token = secrets.token_hex(8)
+        ttl_ms = int(max(10.0, self.settings.admit_interval_s * 10) * 1000)
+        if not self.redis.set(self.lock_key, token, nx=True, px=ttl_ms):
+            return None
+        try:
+            return self._pass()
+        finally:
+            self.redis.eval(_RELEASE, 1, self.lock_key, token)
+
+    def _pass(self) -> dict[str, int]:
+        t0 = time.perf_counter()
+        now_s = time.time()
+        now = datetime.fromtimestamp(now_s, UTC)
+        entries = self.live_workers(now_s)
+        with self.sessions() as session:
+            held_rows = self._held(session)
+            waiting = self._waiting(session)
+            default_cap, caps = running_caps(session, self.settings)
+        t_read = time.perf_counter()
+        live = {e["name"]: e for e in entries}
+        accepting = {n: e for n, e in live.items() if not e.get("draining")}
+        # Placed attempts on workers that are gone, which no node has claimed: place again.
+        held_rows, unplaced = self._release_dead(held_rows, live)
+        resend = [r for r in held_rows if r.sent_at is None and r.status == "dispatched"]
+        held = [
+            Held(r.job_id, r.number, r.owner, r.queue, r.nodes, r.procs_per_node, r.priority,
+                 list(r.placement), r.created_at, r.preempted_at, r.status)
+            for r in held_rows
+        ]  # fmt: skip
+        placed_on: dict[str, int] = defaultdict(int)
+        for h in held:
+            for name in h.placement:
+                placed_on[name] += 1
+        workers = []
+        for name, e in accepting.items():
+            slots = int(e.get("slots") or 1)
+            busy = max(placed_on.get(name, 0), int(e.get("busy") or 0))
+            workers.append(
+                Worker(
+                    name=name,
+                    queues=frozenset(e.get("queues") or ()),
+                    slots=slots,
+                    slot_procs=int(e.get("slot_procs") or 8),
+                    gpus_per_slot=int(e.get("gpus_per_slot") or 0),
+                    free=max(0, slots - busy),
+                )
+            )
+        gpu = {q: bool(w.gpus_per_slot) for w in workers for q in w.queues}
+        usage = self._usage(held, gpu, now_s)
+        t_prep = time.perf_counter()
+        plan = decide(
+            workers,
+            waiting,
+            held,
+            usage,
+            now=now,
+            default_cap=default_cap,
+            caps=caps,
+            preempt_interval_s=self.settings.preempt_min_interval_s,
+            preemption=self.settings.preemption,
+        )
+        t_decide = time.perf_counter()
+        placed = self._commit(plan.place)
+        sent = self._send(placed + [(r.job_id, r.number) for r in resend])
+        preempted = self._preempt(plan.preempt, now)
+        self._write_pending(plan)
+        t_end = time.perf_counter()
+        self.last = {
+            "read_ms": (t_read - t0) * 1000,
+            "prepare_ms": (t_prep - t_read) * 1000,
+            "decide_ms": (t_decide - t_prep) * 1000,
+            "act_ms": (t_end - t_decide) * 1000,
+            "total_ms": (t_end - t0) * 1000,
+        }
+        return {
+            "placed": len(placed),
+            "sent": sent,
+            "preempted": preempted,
+            "unplaced": unplaced,
+            "waiting": len(waiting),
+        }
+
+    def _release_dead(self, rows: list[Any], live: Mapping[str, Any]) -> tuple[list[Any], int]:
+        """Attempts placed on a worker that left the registry and that no node claimed go
+        back to waiting (their message is taken out of the dead worker's queue); the others
+        stay held. A claimed one is the heartbeat reaper's (it becomes lost, then a retry)."""
+        suspects = [
+            r for r in rows if r.status == "dispatched" and any(n not in live for n in r.placement)
+        ]
+        if not suspects:
+            return rows, 0
+        pipe = self.redis.pipeline(transaction=False)
+        for r in suspects:
+            for n in range(r.nodes):
+                pipe.exists(self.keys.claim(r.job_id, r.number, n))
+        answers = iter(pipe.execute())
+        release = []
+        for r in suspects:
+            claims = [bool(next(answers)) for _ in range(r.nodes)]
+            if not any(claims):
+                release.append(r)
+        if not release:
+            return rows, 0
+        with self.sessions() as session, session.begin():
+            for r in release:
+                session.execute(
+                    update(ATTEMPTS)
+                    .where(ATTEMPTS.c.id == r.id, ATTEMPTS.c.status == "dispatched")
+                    .values(placement=null(), sent_at=None)  # SQL NULL, not JSON null
+                )
+        for r in release:
+            log.warning(
+                "job %s attempt %d: placed on %s, which left before claiming it; placing it again",
+                r.job_id,
+                r.number,
+                ", ".join(sorted(set(r.placement) - set(live))),
+            )
+            self._withdraw(r)
+        gone = {r.id for r in release}
+        return [r for r in rows if r.id not in gone], len(release)
+
+    def _withdraw(self, row: Any) -> None:
+        """Take an attempt's messages out of the queues of workers that are gone."""
+        broker = self.dispatcher.broker_client()
+        for node, name in enumerate(row.placement):
+            tag = message_tag(row.job_id, row.number, node).encode()
+            queue = worker_queue(name, self.settings.redis_prefix)
+            try:
+                for raw in broker.lrange(queue, 0, 999):
+                    if tag in raw:
+                        broker.lrem(queue, 1, raw)
+            except Exception as exc:  # the claim makes a leftover harmless
+                log.warning("could not withdraw %s from %s: %s", tag, queue, exc)
+
+    def _commit(self, place: Mapping[tuple[str, int], list[str]]) -> list[tuple[str, int]]:
+        """Record the placements (compare-and-set: still waiting, job still queued)."""
+        if not place:
+            return []
+        done = []
+        with self.sessions() as session, session.begin():
+            for (job_id, number), chosen in place.items():
+                result = session.execute(
+                    update(ATTEMPTS)
+                    .where(
+                        ATTEMPTS.c.job_id == job_id,
+                        ATTEMPTS.c.number == number,
+                        ATTEMPTS.c.status == "dispatched",
+                        ATTEMPTS.c.placement.is_(None),
+                    )
+                    .values(placement=chosen, sent_at=None)
+                )
+                if result.rowcount:  # type: ignore[attr-defined]
+                    done.append((job_id, number))
+        return done
+
+    def _send(self, pairs: list[tuple[str, int]]) -> int:
+        """Send each placed attempt's nodes to their workers' queues; mark the sent ones."""
+        if not pairs:
+            return 0
+        ids = sorted({j for j, _ in pairs})
+        with self.sessions() as session:
+            rows = {
+                (r.id, r.number): r
+                for r in session.execute(
+                    select(
+                        JOBS.c.id,
+                        JOBS.c.queue,
+                        JOBS.c.nodes,
+                        JOBS.c.procs_per_node,
+                        JOBS.c.max_runtime_s,
+                        JOBS.c.train,
+                        JOBS.c.status,
+                        ATTEMPTS.c.number,
+                        ATTEMPTS.c.placement,
+                    )
+                    .join(ATTEMPTS, ATTEMPTS.c.job_id == JOBS.c.id)
+                    .where(JOBS.c.id.in_(ids), ATTEMPTS.c.number == JOBS.c.attempt)
+                )
+            }
+        sent = []
+        for key in pairs:
+            row = rows.get(key)
+            if row is None or row.status != "queued" or not row.placement:
+                continue
+            if self.dispatcher.send_placed(row._mapping, key[1], list(row.placement)):
+                sent.append(key)
+            else:
+                break  # the broker is down: the next pass sends the rest
+        if sent:
+            with self.sessions() as session, session.begin():
+                at = utcnow()
+                for job_id, number in sent:
+                    session.execute(
+                        update(ATTEMPTS)
+                        .where(ATTEMPTS.c.job_id == job_id, ATTEMPTS.c.number == number)
+                        .values(sent_at=at)
+                    )
+        return len(sent)
+
+    def _preempt(self, victims: list[tuple[Held, str]], now: datetime) -> int:
+        if not victims:
+            return 0
+        with self.sessions() as session, session.begin():
+            for h, _ in victims:
+                session.execute(update(JOBS).where(JOBS.c.id == h.job_id).values(preempted_at=now))
+        pipe = self.redis.pipeline(transaction=False)
+        for h, msg in victims:
+            log.info("preempting job %s attempt %d: %s", h.job_id, h.attempt, msg)
+            pipe.set(self.keys.preempt(h.job_id, h.attempt), msg, ex=7 * 24 * 3600)
+        pipe.publish(self.keys.cancel_channel(), "preempt")  # wakes the workers' watches
+        pipe.execute()
+        return len(victims)
+
+    def _write_pending(self, plan: Plan) -> None:
+        """The pending reasons, replaced whole when they changed (one MULTI)."""
+        reasons = {job: why for lst in plan.reasons.values() for job, why in lst}
+        summary = {q: json.dumps(s) for q, s in plan.summary.items()}
+        digest = json.dumps([sorted(reasons.items()), sorted(summary.items())])
+        if self._last_pending.get("digest") == digest:
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.pending_key, self.pending_queues_key)
+        if reasons:
+            pipe.hset(self.pending_key, mapping=reasons)
+        if summary:
+            pipe.hset(self.pending_queues_key, mapping=summary)
+        pipe.execute()
+        self._last_pending["digest"] = digest
+
+    # The loop -------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Passes until ``stop``: at each wake-up (this process's event, or the admit
+        channel), and every ``admit_interval_s``."""
+        listener = threading.Thread(target=self._listen, args=(stop,), daemon=True)
+        listener.start()
+        while not stop.is_set():
+            self.wake_event.clear()
+            try:
+                done = self.run_once()
+                if done is None:  # another replica holds the lock: try again soon
+                    stop.wait(0.05)
+                    continue
+            except Exception as exc:  # an outage: the next pass tries again
+                log.warning("admit: %s", exc)
+            self.wake_event.wait(self.settings.admit_interval_s)
+
+    def _listen(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            pubsub = None
+            try:
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.keys.admit_channel)
+                while not stop.is_set():
+                    if pubsub.get_message(timeout=1.0) is not None:
+                        self.wake_event.set()
+            except Exception as exc:
+                log.debug("admit channel lost (%s)", exc)
+                stop.wait(1.0)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+
+
+def pending_reason(redis: Any, keys: Keys, job_id: str, queue: str) -> str | None:
+    """The admitter's last word on a queued job (None: it has not passed since)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(f"{keys.prefix}:pending", job_id)
+    pipe.hget(f"{keys.prefix}:pending:queues", queue)
+    why, summary = pipe.execute()
+    return _reason_text(why, summary, queue)
+
+
+async def apending_reason(redis: Any, keys: Keys, job_id: str, queue: str) -> str | None:
+    """``pending_reason`` on the event loop (a ``redis.asyncio`` client)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(f"{keys.prefix}:pending", job_id)
+    pipe.hget(f"{keys.prefix}:pending:queues", queue)
+    why, summary = await pipe.execute()
+    return _reason_text(why, summary, queue)
+
+
+def _reason_text(why: Any, summary: Any, queue: str) -> str | None:
+    if why is not None:
+        return str(why.decode() if isinstance(why, bytes) else why)
+    if summary is None:
+        return None
+    try:
+        s = json.loads(summary)
+        return (
+            f"beyond position {int(s['detailed'])} of {int(s['queued'])} queued in queue"
+            f" {queue}: waiting for the jobs ahead of it in admission order"
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
