@@ -20,7 +20,8 @@ cancel; all publish on ``Keys.admit_channel``) and by a slow periodic pass:
    a slot of a worker that serves the queue and whose slot holds ``procs_per_node`` ranks,
    fullest workers first (best fit). A job that does not fit is skipped and later ones may
    still start (Kueue's BestEffortFIFO); a job over its owner's running quota waits.
-4. Preemption: for the first job of a queue that waits for capacity, if strictly
+4. Preemption: for the first job of a queue that waits for capacity (only that one: a job
+   behind it never preempts while it waits), if strictly
    lower-priority running jobs of that queue hold enough, the fewest and newest of them are
    asked to yield (``Keys.preempt``: the worker stops the run with SIGTERM, the trainer
    checkpoints, the attempt exits ``preempted``, and the state machine requeues the job
@@ -47,13 +48,13 @@ import math
 import secrets
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import and_, null, select, update
+from sqlalchemy import and_, func, null, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.dispatch import Dispatcher, message_tag
@@ -63,9 +64,14 @@ from service.api.settings import Settings
 from trainer.events import Keys
 from worker.message import worker_queue
 
-__all__ = ["Admitter", "Plan", "apending_reason", "decide", "pending_reason"]
+__all__ = ["Admitter", "Plan", "apending_reason", "decide", "note_cancelled", "pending_reason"]
 
 log = logging.getLogger(__name__)
+
+# The waiting attempts are read whole at least this often (else only the new ones).
+WAITING_REFRESH_S = 30.0
+# New attempts are looked for from the highest id seen this long ago (see Admitter._waiting).
+MARK_LAG_S = 5.0
 
 # Queued jobs per queue whose pending reason is written one by one; the rest share a line.
 PENDING_DETAIL = 200
@@ -93,9 +99,9 @@ class Worker:
     free: int
 
 
-@dataclass
-class Waiting:
-    """A queued job's current attempt, waiting for admission."""
+class Waiting(NamedTuple):
+    """A queued job's current attempt, waiting for admission (a tuple: a pass reads 10,000
+    of them, and a tuple is the cheapest to build from a row and to read fields of)."""
 
     job_id: str
     attempt: int
@@ -142,6 +148,22 @@ class Plan:
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # per queue
 
 
+def gone_key(prefix: str) -> str:
+    """The set of jobs cancelled while queued since the admitter's last pass."""
+    return f"{prefix}:admit:gone"
+
+
+def note_cancelled(redis: Any, prefix: str, job_ids: Iterable[str]) -> None:
+    """Tell the admitter these queued jobs wait no more (best effort: its periodic full
+    read finds them anyway, and it never places a cancelled job: placing is a CAS)."""
+    ids = list(job_ids)
+    if ids:
+        try:
+            redis.sadd(gone_key(prefix), *ids)
+        except Exception as exc:
+            log.debug("admitter not told of cancelled jobs: %s", exc)
+
+
 def units(nodes: int, procs: int, gpu: bool) -> int:
     """What a job counts against quotas and fair share: GPUs on a GPU queue, else slots."""
     return nodes * procs if gpu else nodes
@@ -149,7 +171,7 @@ def units(nodes: int, procs: int, gpu: bool) -> int:
 
 def decide(
     workers: list[Worker],
-    waiting: list[Waiting],
+    waiting: Sequence[Waiting],
     held: list[Held],
     usage: Mapping[str, float],
     *,
@@ -184,36 +206,50 @@ def decide(
         gpu = gpu_queue.get(queue, False)
         largest = max((wk.slot_procs for wk in workers_q), default=0)
         total_slots = sum(wk.slots for wk in workers_q)
+        queue_free = sum(wk.free for wk in workers_q)
         reasons: list[tuple[str, str]] = []
         ahead: dict[str, int] = defaultdict(int)  # owner -> jobs ahead so far
-        yielding = [h for h in held_by_queue.get(queue, ()) if h.yielding]
-        preempted_for: str | None = None
-        position = 0
+        yielding = sorted({h.job_id for h in held_by_queue.get(queue, ()) if h.yielding})
+        checkpointing = f"; job(s) {', '.join(yielding)} are checkpointing to yield theirs"
+        # Only the first job that waits for capacity may preempt (one preemption at a time
+        # per queue, and never for a job behind one that waits); none while one is under way.
+        may_preempt = preemption and not yielding
+        # Free slots that hold a given rank count; placements only take slots, so a job that
+        # does not fit tells the same to every later one of its size (cleared on placement).
+        fitting: dict[int, int] = {}
+        position = placed = 0
         for job in _order(jobs, usage, gpu):
+            if position >= PENDING_DETAIL and queue_free == 0 and not may_preempt:
+                break  # nothing more can start here; the rest share the summary line
             why = _why_not(
                 job, workers_q, largest, total_slots, now, owner_held, default_cap, caps, gpu
             )
             if why is None:
-                chosen = _place(job, workers_q)
+                free = fitting.get(job.procs)
+                if free is None:
+                    free = sum(wk.free for wk in workers_q if wk.slot_procs >= job.procs)
+                    fitting[job.procs] = free
+                chosen = _place(job, workers_q) if free >= job.nodes else None
                 if chosen is not None:
                     plan.place[(job.job_id, job.attempt)] = chosen
+                    fitting.clear()
+                    queue_free -= job.nodes
+                    placed += 1
                     n = units(job.nodes, job.procs, gpu)
                     owner_held[(job.owner, queue)] += n
                     usage[job.owner] = usage.get(job.owner, 0.0) + n * PLACE_CHARGE_S
                     continue
-                free = sum(wk.free for wk in workers_q if wk.slot_procs >= job.procs)
                 why = (
                     f"waiting for capacity: needs {job.nodes} slot(s) of {job.procs} rank(s)"
                     f" on queue {queue}, {free} free"
                 )
                 if yielding:
-                    names = ", ".join(sorted({h.job_id for h in yielding}))
-                    why += f"; job(s) {names} are checkpointing to yield theirs"
-                elif preemption and preempted_for is None:
+                    why += checkpointing
+                elif may_preempt:
+                    may_preempt = False
                     victims = _victims(job, workers_q, held_by_queue.get(queue, ()), now,
                                        preempt_interval_s)  # fmt: skip
                     if victims:
-                        preempted_for = job.job_id
                         names = ", ".join(v.job_id for v in victims)
                         msg = (
                             f"preempted by job {job.job_id} (priority {job.priority}) on queue"
@@ -229,14 +265,11 @@ def decide(
                 reasons.append((job.job_id, f"position {position} in queue {queue}: {why}{tail}"))
             ahead[job.owner] += 1
         plan.reasons[queue] = reasons
-        plan.summary[queue] = {
-            "queued": position,
-            "detailed": min(len(jobs), PENDING_DETAIL),
-        }
+        plan.summary[queue] = {"queued": len(jobs) - placed, "detailed": len(reasons)}
     return plan
 
 
-def _order(jobs: list[Waiting], usage: Mapping[str, float], gpu: bool) -> Iterable[Waiting]:
+def _order(jobs: Sequence[Waiting], usage: Mapping[str, float], gpu: bool) -> Iterable[Waiting]:
     """Admission order of one queue: priority, then the owner with the least decayed use
     (charged as each job is yielded, so owners of equal use alternate), then job id."""
     by_level: dict[int, dict[str, list[Waiting]]] = defaultdict(lambda: defaultdict(list))
@@ -246,7 +279,7 @@ def _order(jobs: list[Waiting], usage: Mapping[str, float], gpu: bool) -> Iterab
         owners = by_level[priority]
         heap = []
         for owner, lst in owners.items():
-            lst.sort(key=lambda j: j.job_id)
+            lst.sort()  # by job id, the tuple's first field
             heap.append((usage.get(owner, 0.0), lst[0].job_id, owner, 0))
         heapq.heapify(heap)
         used = {o: usage.get(o, 0.0) for o in owners}
@@ -358,6 +391,27 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
+# The waiting attempts: queued jobs whose current attempt is not placed yet, in id order.
+_WAITING = (
+    select(
+        JOBS.c.id.label("job_id"),
+        JOBS.c.attempt,
+        JOBS.c.owner,
+        JOBS.c.queue,
+        JOBS.c.nodes,
+        JOBS.c.procs_per_node.label("procs"),
+        JOBS.c.priority,
+        JOBS.c.not_before,
+    )
+    .join(ATTEMPTS, and_(ATTEMPTS.c.job_id == JOBS.c.id, ATTEMPTS.c.number == JOBS.c.attempt))
+    .where(
+        JOBS.c.status == "queued",
+        ATTEMPTS.c.status == "dispatched",
+        ATTEMPTS.c.placement.is_(None),
+    )
+    .order_by(JOBS.c.id)
+)
+
 # -- The pass against the stores -------------------------------------------------------------
 
 
@@ -380,6 +434,13 @@ class Admitter:
         self.pending_key = f"{prefix}:pending"
         self.pending_queues_key = f"{prefix}:pending:queues"
         self.wake_event = dispatcher.admit_wake  # set by this process's submits and events
+        self.gen_key = f"{prefix}:admit:gen"
+        self.gone_key = gone_key(prefix)
+        # The waiting attempts as of the last pass (``_waiting``), and what it was read at.
+        self._cache: dict[str, Waiting] | None = None
+        self._gen = -1
+        self._refreshed_at = 0.0
+        self._marks: deque[tuple[float, int]] = deque()  # (time, highest attempt id then)
         self._last_pending: dict[str, str] = {}
         self.last: dict[str, float] = {}  # timings of the last pass (ms), for the benchmark
 
@@ -425,29 +486,74 @@ class Admitter:
             )
         )
 
-    def _waiting(self, session: Session) -> list[Waiting]:
-        rows = session.execute(
-            select(
-                JOBS.c.id,
-                JOBS.c.attempt,
-                JOBS.c.owner,
-                JOBS.c.queue,
-                JOBS.c.nodes,
-                JOBS.c.procs_per_node,
-                JOBS.c.priority,
-                JOBS.c.not_before,
-            )
-            .join(
-                ATTEMPTS,
-                and_(ATTEMPTS.c.job_id == JOBS.c.id, ATTEMPTS.c.number == JOBS.c.attempt),
-            )
-            .where(
-                JOBS.c.status == "queued",
-                ATTEMPTS.c.status == "dispatched",
-                ATTEMPTS.c.placement.is_(None),
-            )
-        )
-        return [Waiting(*r) for r in rows]
+    def _waiting(self, session: Session, now: float) -> list[Waiting]:
+        """The waiting attempts, in id order, read whole or only what is new.
+
+        A long queue is 10,000 rows, most of a pass's time, and between two passes of one
+        replica little of it changes. What makes an attempt wait is always a new attempt row
+        (a submit, a retry, a requeue), so the attempts past the last id seen are the new
+        ones; what stops one waiting is a placement (this pass's own), a cancel (the cancel
+        route adds the job to ``{prefix}:admit:gone``), or another replica's placements
+        (each pass that places bumps ``{prefix}:admit:gen``; a replica that finds it moved
+        by someone else reads everything again). A full read also comes every
+        ``WAITING_REFRESH_S`` whatever happened, so a missed notice costs only a stale
+        position for that long; a stale entry is never placed, since placing is a
+        compare-and-set on the attempt."""
+        gen, gone = self._notices()
+        cache = self._cache
+        full = cache is None or gen != self._gen or now - self._refreshed_at >= WAITING_REFRESH_S
+        top = session.execute(select(func.coalesce(func.max(ATTEMPTS.c.id), 0))).scalar()
+        if full:
+            cache = {w.job_id: w for w in self._read(session, _WAITING)}
+            self._refreshed_at = now
+            self._marks.clear()
+        else:
+            assert cache is not None
+            for job_id in gone:
+                cache.pop(job_id, None)
+            # From the highest id seen MARK_LAG_S ago: an attempt row's id is taken at its
+            # insert, and a transaction may commit a lower id after a higher one.
+            since = next((m for t, m in reversed(self._marks) if t <= now - MARK_LAG_S), None)
+            since = self._marks[0][1] if since is None else since
+            for w in self._read(session, _WAITING.where(ATTEMPTS.c.id > since)):
+                cache[w.job_id] = w
+        self._marks.append((now, int(top or 0)))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - MARK_LAG_S:
+            self._marks.popleft()
+        self._cache, self._gen = cache, gen
+        return list(cache.values())
+
+    def _read(self, session: Session, stmt: Any) -> list[Waiting]:
+        """Rows of ``stmt`` as ``Waiting``. On PostgreSQL through the driver's own tuples:
+        10,000 rows cost a third as much without SQLAlchemy's rows."""
+        conn = session.connection()
+        if conn.dialect.name == "postgresql":
+            sql = str(stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            return list(map(Waiting._make, driver.execute(sql).fetchall()))
+        return list(map(Waiting._make, session.execute(stmt)))
+
+    def _notices(self) -> tuple[int, list[str]]:
+        """The placement generation, and the jobs cancelled since the last pass (taken)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.get(self.gen_key)
+        pipe.smembers(self.gone_key)
+        pipe.delete(self.gone_key)
+        gen, gone, _ = pipe.execute()
+        names = [g.decode() if isinstance(g, bytes) else str(g) for g in gone or ()]
+        return int(gen or 0), names
+
+    def _placed(self, jobs: Iterable[str]) -> None:
+        """These jobs wait no more; other replicas learn it by the generation moving."""
+        cache = self._cache
+        if cache is not None:
+            for job_id in jobs:
+                cache.pop(job_id, None)
+        gen = int(self.redis.incr(self.gen_key))
+        if gen != self._gen + 1:
+            self._cache = None  # another replica placed since this pass read: read it all
+        self._gen = gen
 
     def _usage(self, held: list[Held], gpu: Mapping[str, bool], now: float) -> dict[str, float]:
         """Each owner's decayed slot-seconds; the owners holding slots now are charged the
@@ -498,7 +604,7 @@ class Admitter:
         entries = self.live_workers(now_s)
         with self.sessions() as session:
             held_rows = self._held(session)
-            waiting = self._waiting(session)
+            waiting = self._waiting(session, now_s)
             default_cap, caps = running_caps(session, self.settings)
         t_read = time.perf_counter()
         live = {e["name"]: e for e in entries}
@@ -545,6 +651,8 @@ class Admitter:
         )
         t_decide = time.perf_counter()
         placed = self._commit(plan.place)
+        if plan.place:  # placed, or found placed or cancelled by someone else: not waiting
+            self._placed(job for job, _ in plan.place)
         sent = self._send(placed + [(r.job_id, r.number) for r in resend])
         preempted = self._preempt(plan.preempt, now)
         self._write_pending(plan)
@@ -601,6 +709,7 @@ class Admitter:
             )
             self._withdraw(r)
         gone = {r.id for r in release}
+        self._cache = None  # they wait again: the next pass reads the whole queue
         return [r for r in rows if r.id not in gone], len(release)
 
     def _withdraw(self, row: Any) -> None:

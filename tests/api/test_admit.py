@@ -305,3 +305,41 @@ def test_a_job_held_back_after_its_gang_failed_waits_until_its_backoff(admit_api
     admitter(api).run_once()
     assert placement(api, job["id"]) is None
     assert "backing off after its gang failed to start" in api.get(job["id"])["pending_reason"]
+
+
+def test_the_waiting_set_follows_cancels_retries_and_another_replica(admit_api: Api) -> None:
+    """The admitter reads only new attempts between full reads (Admitter._waiting): a cancel,
+    a retry's new attempt and another replica's placements must all show in its order."""
+    from service.api.state import attempt_exited, attempt_lost
+
+    api = admit_api
+    [w] = names(1)
+    entry(api, w, [api.queue])
+    mine, other = admitter(api), admitter(api)  # two API replicas
+    busy = api.submit()
+    mine.run_once()
+    assert placement(api, busy["id"]) == [w]
+    first, second = api.submit(), api.submit(retries=1)
+    mine.run_once()
+    assert api.get(second["id"])["pending_reason"].startswith(f"position 2 in queue {api.queue}")
+    cancelled = api.client.post(f"/v1/jobs/{first['id']}/cancel", headers=api.headers())
+    assert cancelled.json()["status"] == "cancelled"
+    mine.run_once()
+    assert api.get(second["id"])["pending_reason"].startswith(f"position 1 in queue {api.queue}")
+    # The slot frees; the other replica places the next job; this one must not place it again.
+    with api.services.sessions() as session, session.begin():
+        attempt_exited(session, busy["id"], 1, exit_code=0, reason=None, message="ok")
+    assert (other.run_once() or {})["placed"] == 1
+    assert placement(api, second["id"]) == [w]
+    third = api.submit()
+    done = mine.run_once()
+    assert done is not None and done["placed"] == 0 and done["sent"] == 0, done
+    assert len(messages(api, w)) == 2, "busy's and second's: nothing sent twice"
+    assert api.get(third["id"])["pending_reason"].startswith(f"position 1 in queue {api.queue}")
+    # second's attempt is lost: its retry is a new attempt (found by this replica without a
+    # full read) and, submitted before third, it takes the freed slot first.
+    with api.services.sessions() as session, session.begin():
+        attempt_lost(session, second["id"], 1, message="gone")
+    done = mine.run_once()
+    assert done is not None and done["placed"] == 1, done
+    assert placement(api, second["id"], 2) == [w] and placement(api, third["id"]) is None

@@ -12,7 +12,7 @@ from redis import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from service.api import crud, job_json
-from service.api.admit import apending_reason, pending_reason
+from service.api.admit import apending_reason, note_cancelled, pending_reason
 from service.api.auth import Principal
 from service.api.datasets import resolve_dataset
 from service.api.deps import PrincipalDep, Services, ServicesDep
@@ -439,6 +439,9 @@ def cancel(job_id: JobId, services: ServicesDep, principal: PrincipalDep) -> Res
         signal_cancel(services.redis, services.keys, job_id)
         with services.sessions() as session, session.begin():
             outcome = cancel_job(session, job_id)
+        if services.dispatcher.admits:
+            done = [c.job_id for c in outcome.changes if c.status == "cancelled"]
+            note_cancelled(services.redis, services.settings.redis_prefix, done)
         publish_status(
             services.redis,
             services.keys,
