@@ -45,7 +45,6 @@ import heapq
 import json
 import logging
 import math
-import secrets
 import threading
 import time
 from collections import defaultdict, deque
@@ -57,9 +56,10 @@ from typing import Any, NamedTuple
 from sqlalchemy import and_, func, null, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.dispatch import Dispatcher, message_tag
+from service.api.dispatch import Dispatcher, dispatch_attempts, message_tag
 from service.api.limits import running_caps
-from service.api.models import ATTEMPTS, JOBS, utcnow
+from service.api.models import ATTEMPTS, JOBS
+from service.api.passlock import one_pass
 from service.api.settings import Settings
 from trainer.events import Keys
 from worker.message import worker_queue
@@ -79,11 +79,6 @@ PENDING_DETAIL = 200
 AHEAD_NAMES = 3
 # What a placement charges its owner's fair-share use at once (slot-seconds per unit).
 PLACE_CHARGE_S = 1.0
-
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 
 # -- The inputs of a decision, as plain values (the benchmark builds them directly) --------
@@ -588,14 +583,9 @@ class Admitter:
 
     def run_once(self) -> dict[str, int] | None:
         """One pass if no other replica holds the lock: counts of what it did, else None."""
-        token = secrets.token_hex(8)
-        ttl_ms = int(max(10.0, self.settings.admit_interval_s * 10) * 1000)
-        if not self.redis.set(self.lock_key, token, nx=True, px=ttl_ms):
-            return None
-        try:
-            return self._pass()
-        finally:
-            self.redis.eval(_RELEASE, 1, self.lock_key, token)
+        ttl_s = max(10.0, self.settings.admit_interval_s * 10)
+        with one_pass(self.redis, self.lock_key, ttl_s) as mine:
+            return self._pass() if mine else None
 
     def _pass(self) -> dict[str, int]:
         t0 = time.perf_counter()
@@ -653,7 +643,11 @@ class Admitter:
         placed = self._commit(plan.place)
         if plan.place:  # placed, or found placed or cancelled by someone else: not waiting
             self._placed(job for job, _ in plan.place)
-        sent = self._send(placed + [(r.job_id, r.number) for r in resend])
+        # Placed and resent attempts go to their workers' queues (dispatch_attempts sends
+        # by the placement, and marks what went out).
+        sent = dispatch_attempts(
+            self.sessions, self.dispatcher, placed + [(r.job_id, r.number) for r in resend]
+        )
         preempted = self._preempt(plan.preempt, now)
         self._write_pending(plan)
         t_end = time.perf_counter()
@@ -745,50 +739,6 @@ class Admitter:
                 if result.rowcount:  # type: ignore[attr-defined]
                     done.append((job_id, number))
         return done
-
-    def _send(self, pairs: list[tuple[str, int]]) -> int:
-        """Send each placed attempt's nodes to their workers' queues; mark the sent ones."""
-        if not pairs:
-            return 0
-        ids = sorted({j for j, _ in pairs})
-        with self.sessions() as session:
-            rows = {
-                (r.id, r.number): r
-                for r in session.execute(
-                    select(
-                        JOBS.c.id,
-                        JOBS.c.queue,
-                        JOBS.c.nodes,
-                        JOBS.c.procs_per_node,
-                        JOBS.c.max_runtime_s,
-                        JOBS.c.train,
-                        JOBS.c.status,
-                        ATTEMPTS.c.number,
-                        ATTEMPTS.c.placement,
-                    )
-                    .join(ATTEMPTS, ATTEMPTS.c.job_id == JOBS.c.id)
-                    .where(JOBS.c.id.in_(ids), ATTEMPTS.c.number == JOBS.c.attempt)
-                )
-            }
-        sent = []
-        for key in pairs:
-            row = rows.get(key)
-            if row is None or row.status != "queued" or not row.placement:
-                continue
-            if self.dispatcher.send_placed(row._mapping, key[1], list(row.placement)):
-                sent.append(key)
-            else:
-                break  # the broker is down: the next pass sends the rest
-        if sent:
-            with self.sessions() as session, session.begin():
-                at = utcnow()
-                for job_id, number in sent:
-                    session.execute(
-                        update(ATTEMPTS)
-                        .where(ATTEMPTS.c.job_id == job_id, ATTEMPTS.c.number == number)
-                        .values(sent_at=at)
-                    )
-        return len(sent)
 
     def _preempt(self, victims: list[tuple[Held, str]], now: datetime) -> int:
         if not victims:

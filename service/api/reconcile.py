@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import threading
 import time
 from datetime import UTC, timedelta
@@ -38,12 +37,13 @@ from service.api.datasets import reap_stale
 from service.api.dispatch import Dispatcher, dispatch_attempts
 from service.api.models import ATTEMPTS, JOBS, utcnow
 from service.api.notify import publish_status, signal_stop
+from service.api.passlock import one_pass
 from service.api.settings import Settings
 from service.api.state import Outcome, attempt_lost
 from trainer.events import Keys
 from worker.message import broker_queue, worker_queue
 
-__all__ = ["RELEASE_LOCK", "Reconciler"]
+__all__ = ["Reconciler"]
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,6 @@ ORPHAN_WINDOW = 5000
 BROKER_CHUNK = 1000
 # The tag dispatch.message_tag writes in each message's headers.
 _TAG = re.compile(rb"\(job ([0-9a-f]{1,64}) attempt ([0-9]{1,9}) node ([0-9]{1,9})\)")
-
-# Compare-and-delete: a lock that expired and was taken by another replica is not ours.
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
-RELEASE_LOCK = _RELEASE  # for the other one-replica-at-a-time loops (service.api.retention)
 
 
 class Reconciler:
@@ -88,19 +81,16 @@ class Reconciler:
     def run_once(self, *, orphans: bool = False) -> dict[str, int] | None:
         """One pass, if no other replica holds the lock; counts of what it did, else None.
         ``orphans``: also look for sent attempts whose message the broker lost."""
-        token = secrets.token_hex(8)
-        ttl_ms = int(max(10.0, self.settings.reconcile_interval_s * 5) * 1000)
-        if not self.redis.set(self.lock_key, token, nx=True, px=ttl_ms):
-            return None
-        try:
+        ttl_s = max(10.0, self.settings.reconcile_interval_s * 5)
+        with one_pass(self.redis, self.lock_key, ttl_s) as mine:
+            if not mine:
+                return None
             done = {"sent": self.resend_unsent(), "lost": self.reap_lost()}
             # Datasets whose uploading/preparing API process died (service.api.datasets).
             reap_stale(self.sessions, self.settings.data_root, self.settings.dataset_stale_s)
             if orphans:
                 done["orphaned"] = self.resend_orphaned()
             return done
-        finally:
-            self.redis.eval(_RELEASE, 1, self.lock_key, token)
 
     def _broker_client(self) -> Any:
         if self._broker is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import shutil
 import threading
 from collections.abc import Iterable, Iterator
@@ -34,7 +33,7 @@ from sqlalchemy import Engine, delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.models import ATTEMPTS, JOBS, LOGS, METRICS, TERMINAL, utcnow
-from service.api.reconcile import RELEASE_LOCK
+from service.api.passlock import one_pass
 from service.api.settings import Settings
 from trainer.events import Keys
 
@@ -175,10 +174,9 @@ class Retention:
         """One pass, if retention is on and no other replica holds the lock; jobs deleted."""
         if self.settings.retention_days <= 0:
             return 0
-        token = secrets.token_hex(8)
-        if not self.redis.set(self.lock_key, token, nx=True, px=LOCK_TTL_S * 1000):
-            return 0
-        try:
+        with one_pass(self.redis, self.lock_key, LOCK_TTL_S) as mine:
+            if not mine:
+                return 0
             deleted = delete_jobs(
                 self.sessions,
                 self.due(),
@@ -187,8 +185,6 @@ class Retention:
                 redis=self.redis,
                 keys=self.keys,
             )
-        finally:
-            self.redis.eval(RELEASE_LOCK, 1, self.lock_key, token)
         if deleted:
             days = self.settings.retention_days
             log.info("retention: deleted %d job(s) that ended over %g day(s) ago", deleted, days)
