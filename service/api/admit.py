@@ -649,7 +649,10 @@ class Admitter:
             self.sessions, self.dispatcher, placed + [(r.job_id, r.number) for r in resend]
         )
         preempted = self._preempt(plan.preempt, now)
-        self._write_pending(plan)
+        # A placed job stays queued until its worker reports it running: it says where.
+        starting = {(h.job_id, h.attempt): h.placement for h in held if h.status == "dispatched"}
+        starting.update({key: plan.place[key] for key in placed})
+        self._write_pending(plan, starting)
         t_end = time.perf_counter()
         self.last = {
             "read_ms": (t_read - t0) * 1000,
@@ -754,9 +757,12 @@ class Admitter:
         pipe.execute()
         return len(victims)
 
-    def _write_pending(self, plan: Plan) -> None:
+    def _write_pending(self, plan: Plan, starting: Mapping[tuple[str, int], list[str]]) -> None:
         """The pending reasons, replaced whole when they changed (one MULTI)."""
         reasons = {job: why for lst in plan.reasons.values() for job, why in lst}
+        for (job, attempt), workers in starting.items():
+            on = ", ".join(f"node {n} on {w}" for n, w in enumerate(workers))
+            reasons[job] = f"admitted: attempt {attempt} placed ({on}); waiting for it to start"
         summary = {q: json.dumps(s) for q, s in plan.summary.items()}
         digest = json.dumps([sorted(reasons.items()), sorted(summary.items())])
         if self._last_pending.get("digest") == digest:

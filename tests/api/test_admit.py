@@ -108,6 +108,12 @@ def test_two_gangs_on_three_slots_one_is_placed_whole_the_other_waits(admit_api:
     [idle] = set(workers) - set(chosen)
     assert messages(api, idle) == []
     assert api.services.dispatcher.broker_client().llen(api.broker_queue) == 0
+    placed = api.get(first["id"])
+    assert placed["status"] == "queued", placed
+    assert placed["pending_reason"] == (
+        f"admitted: attempt 1 placed (node 0 on {chosen[0]}, node 1 on {chosen[1]});"
+        " waiting for it to start"
+    ), placed
     why = api.get(second["id"])["pending_reason"]
     assert why.startswith(f"position 1 in queue {api.queue}: waiting for capacity"), why
     assert "needs 2 slot(s) of 1 rank(s)" in why and "1 free" in why, why
