@@ -365,6 +365,12 @@ class Side:
 
         rows = wait(finished, 60 + 10 * n, f"{n} jobs of {tag} to end", 0.25)
         end = max(e for _, _, e in rows if e is not None)
+        with self.engine.connect() as conn:
+            for job_id, reason, message in conn.execute(
+                sa.text("SELECT id, reason, message FROM jobs WHERE name = :n AND status <> "
+                        "'succeeded'"), {"n": tag}
+            ):  # fmt: skip
+                print(f"  {self.mode}: job {job_id} {reason}: {str(message)[:300]}", flush=True)
         return (end - t0).total_seconds(), {s: c for s, c, _ in rows}
 
     def stop(self) -> None:

@@ -93,7 +93,7 @@ def test_metrics_csv_has_a_row_per_step(
     assert table.code == 0 and table.out.splitlines()[0].split()[:2] == ["STEP", "LOSS"]
 
 
-def test_ls_filters_by_label_and_workers_lists_the_worker(
+def test_ls_filters_by_label_and_workers_and_queues_list_the_worker(
     done_job: dict[str, str], cli_system: CliSystem, trainq: Run
 ) -> None:
     job_id = _job_id(done_job["out"])
@@ -103,6 +103,10 @@ def test_ls_filters_by_label_and_workers_lists_the_worker(
     assert r.code == 0 and job_id not in r.out and "no jobs" in r.out
     r = trainq("workers", url=cli_system.api.url)
     assert r.code == 0 and "cpu" in r.out and r.out.startswith("NAME"), r
+    r = trainq("queues", url=cli_system.api.url)
+    assert r.code == 0 and r.out.startswith("QUEUE"), r
+    [cpu] = [line.split() for line in r.out.splitlines() if line.startswith("cpu ")]
+    assert cpu[1:3] == ["1", "1/1"], r.out  # one worker, its one slot free now
 
 
 def test_submit_wait_failure_exits_1_with_the_reason(cli_system: CliSystem, trainq: Run) -> None:
