@@ -382,6 +382,29 @@ def _victims(
     return []
 
 
+def _worker(name: str, entry: Mapping[str, Any], placed: int) -> Worker | None:
+    """A registry entry as capacity: its slots less what is placed there or what it says
+    it holds, whichever is more; None for an entry that is not well formed (one worker's
+    bad entry must not stop admission for everyone)."""
+    try:
+        slots = int(entry.get("slots") or 1)
+        busy = max(placed, int(entry.get("busy") or 0))
+        queues = entry.get("queues") or ()
+        if not isinstance(queues, list) or not all(isinstance(q, str) for q in queues):
+            raise TypeError("queues is not a list of names")
+        return Worker(
+            name=name,
+            queues=frozenset(queues),
+            slots=slots,
+            slot_procs=int(entry.get("slot_procs") or 8),
+            gpus_per_slot=int(entry.get("gpus_per_slot") or 0),
+            free=max(0, slots - busy),
+        )
+    except (TypeError, ValueError) as exc:
+        log.warning("admit: worker %s has a malformed registry entry (%s); skipped", name, exc)
+        return None
+
+
 def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
@@ -611,20 +634,11 @@ class Admitter:
         for h in held:
             for name in h.placement:
                 placed_on[name] += 1
-        workers = []
-        for name, e in accepting.items():
-            slots = int(e.get("slots") or 1)
-            busy = max(placed_on.get(name, 0), int(e.get("busy") or 0))
-            workers.append(
-                Worker(
-                    name=name,
-                    queues=frozenset(e.get("queues") or ()),
-                    slots=slots,
-                    slot_procs=int(e.get("slot_procs") or 8),
-                    gpus_per_slot=int(e.get("gpus_per_slot") or 0),
-                    free=max(0, slots - busy),
-                )
-            )
+        workers = [
+            w
+            for name, e in accepting.items()
+            if (w := _worker(name, e, placed_on.get(name, 0))) is not None
+        ]
         gpu = {q: bool(w.gpus_per_slot) for w in workers for q in w.queues}
         usage = self._usage(held, gpu, now_s)
         t_prep = time.perf_counter()

@@ -127,9 +127,12 @@ def test_slot_size_and_missing_workers_are_pending_reasons(admit_api: Api) -> No
     api = admit_api
     [w] = names(1)
     entry(api, w, [api.queue], procs=2)
+    # A malformed entry (a broken worker) is skipped; it does not stop admission.
+    bad = {"name": "bad", "queues": api.queue, "slots": "many", "ts": time.time()}
+    api.services.redis.hset(api.keys.workers, f"bad-{w}", json.dumps(bad))
     big = api.submit(procs_per_node=4)
     nobody = api.submit(queue=f"none-{uuid.uuid4().hex[:6]}")
-    admitter(api).run_once()
+    assert admitter(api).run_once() is not None
     why = api.get(big["id"])["pending_reason"]
     assert f"needs 4 per node; the largest slot on queue {api.queue} has 2" in why, why
     assert placement(api, big["id"]) is None
