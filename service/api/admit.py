@@ -64,7 +64,16 @@ from service.api.settings import Settings
 from trainer.events import Keys
 from worker.message import worker_queue
 
-__all__ = ["Admitter", "Plan", "apending_reason", "decide", "note_cancelled", "pending_reason"]
+__all__ = [
+    "Admitter",
+    "Plan",
+    "apending_reason",
+    "capacity",
+    "decide",
+    "live_entries",
+    "note_cancelled",
+    "pending_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +391,25 @@ def _victims(
     return []
 
 
-def _worker(name: str, entry: Mapping[str, Any], placed: int) -> Worker | None:
+def live_entries(raw: Mapping[Any, Any], now: float, stale_s: float) -> list[dict[str, Any]]:
+    """The registry hash (``{prefix}:workers``) as the entries seen within ``stale_s``, each
+    with its ``name`` and ``age_s``; a malformed entry is not a live worker."""
+    workers = []
+    for name, value in raw.items():
+        try:
+            info = json.loads(value)
+            ts = float(info["ts"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(info, dict) or now - ts > stale_s:
+            continue
+        info.setdefault("name", name.decode() if isinstance(name, bytes) else str(name))
+        info["age_s"] = max(0.0, now - ts)
+        workers.append(info)
+    return workers
+
+
+def capacity(name: str, entry: Mapping[str, Any], placed: int = 0) -> Worker | None:
     """A registry entry as capacity: its slots less what is placed there or what it says
     it holds, whichever is more; None for an entry that is not well formed (one worker's
     bad entry must not stop admission for everyone)."""
@@ -463,20 +490,6 @@ class Admitter:
         self.last: dict[str, float] = {}  # timings of the last pass (ms), for the benchmark
 
     # The stores' view -----------------------------------------------------------------------
-
-    def live_workers(self, now: float) -> list[dict[str, Any]]:
-        out = []
-        for name, raw in self.redis.hgetall(self.keys.workers).items():
-            try:
-                info = json.loads(raw)
-                ts = float(info["ts"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if not isinstance(info, dict) or now - ts > self.settings.worker_stale_s:
-                continue
-            info["name"] = name.decode() if isinstance(name, bytes) else str(name)
-            out.append(info)
-        return out
 
     def _held(self, session: Session) -> list[Any]:
         return list(
@@ -614,7 +627,8 @@ class Admitter:
         t0 = time.perf_counter()
         now_s = time.time()
         now = datetime.fromtimestamp(now_s, UTC)
-        entries = self.live_workers(now_s)
+        raw = self.redis.hgetall(self.keys.workers)
+        entries = live_entries(raw, now_s, self.settings.worker_stale_s)
         with self.sessions() as session:
             held_rows = self._held(session)
             waiting = self._waiting(session, now_s)
@@ -637,7 +651,7 @@ class Admitter:
         workers = [
             w
             for name, e in accepting.items()
-            if (w := _worker(name, e, placed_on.get(name, 0))) is not None
+            if (w := capacity(name, e, placed_on.get(name, 0))) is not None
         ]
         gpu = {q: bool(w.gpus_per_slot) for w in workers for q in w.queues}
         usage = self._usage(held, gpu, now_s)

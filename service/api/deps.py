@@ -8,7 +8,6 @@ makes no extra thread hop for auth.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from service.api.admit import live_entries
 from service.api.auth import ANONYMOUS, Principal, TokenCache
 from service.api.db import AsyncReader
 from service.api.dispatch import Dispatcher
@@ -67,18 +67,7 @@ class Services:
         return self._parse_workers(await self.aredis.hgetall(self.keys.workers), now)
 
     def _parse_workers(self, raw: dict[Any, Any], now: float) -> list[dict[str, Any]]:
-        workers = []
-        for name, value in raw.items():
-            try:
-                info = json.loads(value)
-                ts = float(info["ts"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a malformed entry is not a live worker
-            if not isinstance(info, dict) or now - ts > self.settings.worker_stale_s:
-                continue
-            info.setdefault("name", name.decode() if isinstance(name, bytes) else str(name))
-            info["age_s"] = max(0.0, now - ts)
-            workers.append(info)
+        workers = live_entries(raw, now, self.settings.worker_stale_s)
         with self._workers_lock:
             self._workers = (now, workers)
         return workers

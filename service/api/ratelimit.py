@@ -89,9 +89,7 @@ class SubmitLimits:
     """The submit limits of one API process (settings from ``service.api.settings``)."""
 
     def __init__(self, settings: Any, redis: Any, prefix: str) -> None:
-        self.per_window = settings.submits_per_minute
         self.window_s = settings.submit_window_s
-        self.max_queued = settings.max_queued_per_owner
         self.prefix = prefix
         self._queued: dict[str, tuple[float, int]] = {}  # owner: (counted at, estimate)
         self._lock = threading.Lock()
@@ -99,10 +97,6 @@ class SubmitLimits:
         # Registering sends nothing; an owner's own limit may need the script with none set.
         self._script = redis.register_script(_SLIDING_WINDOW)
         self.owners = OwnerLimitsCache(settings)  # each owner's limits over these settings
-
-    @property
-    def active(self) -> bool:
-        return bool(self.per_window or self.max_queued)
 
     def key(self, owner: str) -> str:
         return f"{self.prefix}:submits:{owner_hash(owner)}"

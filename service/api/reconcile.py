@@ -74,7 +74,6 @@ class Reconciler:
         self.keys = Keys(settings.redis_prefix)
         self.lock_key = f"{settings.redis_prefix}:reconcile:lock"
         self._dispatched_after = 0
-        self._broker: Any = None
         self._suspects: set[tuple[str, int]] = set()
         self._orphans_at = 0.0
 
@@ -92,20 +91,10 @@ class Reconciler:
                 done["orphaned"] = self.resend_orphaned()
             return done
 
-    def _broker_client(self) -> Any:
-        if self._broker is None:
-            import redis
-
-            timeout = self.settings.redis_timeout_s
-            self._broker = redis.Redis.from_url(
-                self.settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout
-            )
-        return self._broker
-
     def _queued_tags(self, name: str) -> set[tuple[str, int, int]] | None:
         """(job, attempt, node) of every message waiting in broker list ``name``; None if
         the list is longer than ``orphan_scan_max`` (then nothing can be concluded)."""
-        broker = self._broker_client()
+        broker = self.dispatcher.broker_client()
         if broker.llen(name) > self.settings.orphan_scan_max:
             log.warning("reconcile: queue %s is too long to check for lost messages", name)
             return None
@@ -312,11 +301,6 @@ class Reconciler:
             except Exception as exc:  # an outage: the next pass tries again
                 log.warning("reconcile: %s", exc)
             stop.wait(self.settings.reconcile_interval_s)
-        self.close()
-
-    def close(self) -> None:
-        if self._broker is not None:
-            self._broker.close()
 
 
 def _waiting(*columns: Any) -> Any:

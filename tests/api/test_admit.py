@@ -238,6 +238,9 @@ def test_get_queues_shows_capacity_use_and_queued_by_owner(admit_api: Api) -> No
     api = admit_api
     [w] = names(1)
     entry(api, w, [api.queue], slots=2, procs=4)
+    # A malformed entry (a broken worker) is left out here too, not a 500.
+    bad = {"name": "bad", "queues": [api.queue], "slots": "many", "ts": time.time()}
+    api.services.redis.hset(api.keys.workers, f"bad-{w}", json.dumps(bad))
     running = api.submit()
     api.submit(priority=-1)
     api.submit(priority=-1)

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from sqlalchemy import func, select
 
+from service.api.admit import capacity
 from service.api.auth import Principal
 from service.api.deps import PrincipalDep, Services, ServicesDep
 from service.api.models import ATTEMPTS, JOBS
@@ -70,7 +71,12 @@ def list_queues(services: ServicesDep, principal: PrincipalDep) -> Response:
     """Each queue's capacity (live workers, slots, free slots, slot size, GPUs), its use, and
     its queued jobs by owner and priority (the admission order's inputs: service.api.admit).
     Queues that only have jobs (no worker) are listed too, with zero capacity."""
-    workers = [w for w in services.live_workers(max_age_s=0) if not w.get("draining")]
+    # The admitter's reading of each entry (a malformed one is left out, as it leaves it out).
+    workers = [
+        cap
+        for w in services.live_workers(max_age_s=0)
+        if not w.get("draining") and (cap := capacity(str(w["name"]), w)) is not None
+    ]
     with services.reader.connect() as conn:
         queued = list(
             conn.execute(
@@ -97,23 +103,21 @@ def list_queues(services: ServicesDep, principal: PrincipalDep) -> Response:
                 .group_by(JOBS.c.queue, JOBS.c.owner)
             )
         )
-    names = {q for w in workers for q in w.get("queues") or () if isinstance(q, str)}
+    names = {q for w in workers for q in w.queues}
     names |= {r[0] for r in queued} | {r[0] for r in held}
     items = []
     for name in sorted(names):
-        serving = [w for w in workers if name in (w.get("queues") or ())]
-        gpu = any(w.get("gpus") for w in serving)
-        slots = sum(int(w.get("slots") or 1) for w in serving)
-        busy = sum(min(int(w.get("slots") or 1), int(w.get("busy") or 0)) for w in serving)
+        serving = [w for w in workers if name in w.queues]
+        gpu = any(w.gpus_per_slot for w in serving)
         by_owner = [r for r in held if r[0] == name]
         items.append(
             QueueOut(
                 name=name,
                 workers=len(serving),
-                slots=slots,
-                free_slots=max(0, slots - busy),
-                largest_slot_procs=max((int(w.get("slot_procs") or 0) for w in serving), default=0),
-                gpus=sum(len(w.get("gpus") or ()) for w in serving),
+                slots=sum(w.slots for w in serving),
+                free_slots=sum(w.free for w in serving),
+                largest_slot_procs=max((w.slot_procs for w in serving), default=0),
+                gpus=sum(w.gpus_per_slot * w.slots for w in serving),
                 queued=sum(int(r[3]) for r in queued if r[0] == name),
                 running=sum(int(r[2]) for r in by_owner),
                 queued_by=[
