@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from service.api.errors import Unauthorized
 from service.api.models import ApiToken, utcnow
+from service.api.ttlcache import TtlCache
 
 if TYPE_CHECKING:
     from service.api.db import AsyncReader
@@ -117,11 +116,8 @@ class TokenCache:
         max_entries: int = 10_000,
     ) -> None:
         self._connect = connect
-        self._ttl = ttl_s
-        self._max = max_entries
-        self._lock = threading.Lock()
-        self._known: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
-        self._unknown: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
+        self._known: TtlCache[str, Principal | None] = TtlCache(ttl_s, max_entries)
+        self._unknown: TtlCache[str, Principal | None] = TtlCache(ttl_s, max_entries)
 
     def resolve_cached(self, authorization: str | None) -> Principal:
         """The answer without touching the database; LookupError if it would have to."""
@@ -158,24 +154,12 @@ class TokenCache:
 
     def _fresh(self, digest: str, now: float) -> tuple[float, Principal | None] | None:
         """The cached answer for ``digest`` (None: an unknown token) unless absent or stale."""
-        with self._lock:
-            for cache in (self._known, self._unknown):
-                hit = cache.get(digest)
-                if hit is not None:
-                    if now - hit[0] >= self._ttl:
-                        return None
-                    cache.move_to_end(digest)
-                    return hit
-        return None
+        return self._known.fresh(digest, now) or self._unknown.fresh(digest, now)
 
     def _remember(self, digest: str, now: float, principal: Principal | None) -> None:
-        with self._lock:
-            self._known.pop(digest, None)
-            self._unknown.pop(digest, None)
-            cache = self._known if principal is not None else self._unknown
-            cache[digest] = (now, principal)
-            while len(cache) > self._max:
-                cache.popitem(last=False)  # the least recently used
+        self._known.pop(digest)
+        self._unknown.pop(digest)
+        (self._known if principal is not None else self._unknown).put(digest, now, principal)
 
     def _lookup(self, digest: str) -> Principal | None:
         with self._connect() as conn:

@@ -15,9 +15,7 @@ that time, as a revoked token does. The admitter reads every owner's running cap
 from __future__ import annotations
 
 import shlex
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from service.api.errors import Forbidden, InvalidInput
 from service.api.models import OWNER_LIMITS, OwnerLimit, utcnow
+from service.api.ttlcache import TtlCache
 
 if TYPE_CHECKING:
     from service.api.auth import Principal
@@ -91,20 +90,12 @@ class OwnerLimitsCache:
 
     def __init__(self, settings: Settings, max_entries: int = 10_000) -> None:
         self._settings = settings
-        self._ttl = settings.token_cache_s
-        self._max = max_entries
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[float, OwnerLimits]] = OrderedDict()
+        self._cache: TtlCache[str, OwnerLimits] = TtlCache(settings.token_cache_s, max_entries)
 
     def cached(self, owner: str) -> OwnerLimits | None:
         """The owner's limits without touching the database; None if it would have to."""
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(owner)
-            if hit is None or now - hit[0] >= self._ttl:
-                return None
-            self._cache.move_to_end(owner)
-            return hit[1]
+        hit = self._cache.fresh(owner, time.monotonic())
+        return hit[1] if hit is not None else None
 
     def get(
         self, connect: Callable[[], AbstractContextManager[Session | Connection]], owner: str
@@ -117,11 +108,7 @@ class OwnerLimitsCache:
         with connect() as conn:
             row = conn.execute(select(OWNER_LIMITS).where(OWNER_LIMITS.c.owner == owner)).first()
         limits = OwnerLimits.merged(self._settings, row)
-        with self._lock:
-            self._cache[owner] = (now, limits)
-            self._cache.move_to_end(owner)
-            while len(self._cache) > self._max:
-                self._cache.popitem(last=False)  # the least recently used
+        self._cache.put(owner, now, limits)
         return limits
 
 
