@@ -21,8 +21,6 @@ PostgreSQL and Redis share them, which every benchmark says in its output.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import shutil
 import signal
@@ -31,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -45,7 +42,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
-import numpy as np  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
 
 from tests.conftest import PG_ADMIN_URL, RedisDBs  # noqa: E402
@@ -182,7 +178,7 @@ def fresh_pg(migrate: bool = True) -> Iterator[str]:
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
         if migrate:
-            from service.api.migrate import upgrade
+            from service.api.core.migrate import upgrade
 
             upgrade(url)
         yield url
@@ -195,7 +191,7 @@ def fresh_pg(migrate: bool = True) -> Iterator[str]:
 def make_token(pg_url: str, name: str, *, admin: bool = False) -> str:
     from sqlalchemy.orm import Session
 
-    from service.api.auth import create_token
+    from service.api.core.auth import create_token
 
     engine = sa.create_engine(pg_url)
     try:
@@ -275,154 +271,6 @@ def stack(owner: str = "bench") -> Iterator[Stack]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --- load generators -------------------------------------------------------------------
-
-WRK_DONE = """
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    '\\nWRKJSON {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,'
-    .. '"status":%d,"timeout":%d,"p50_ms":%.3f,"p90_ms":%.3f,"p99_ms":%.3f,'
-    .. '"max_ms":%.3f,"mean_ms":%.3f}\\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50) / 1000, latency:percentile(90) / 1000,
-    latency:percentile(99) / 1000, latency.max / 1000, latency.mean / 1000))
-end
-"""
-
-
-def wrk(
-    url: str,
-    *,
-    connections: int,
-    duration_s: float,
-    headers: dict[str, str] | None = None,
-    tmp: Path,
-) -> dict[str, float]:
-    """GET ``url`` with wrk (one thread, keep-alive) for ``duration_s``; requests/s, latency."""
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk not found: apt-get install -y wrk")
-    script = tmp / "wrk_done.lua"
-    script.write_text(WRK_DONE)
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--timeout", "5s"]
-    for k, v in (headers or {}).items():
-        argv += ["-H", f"{k}: {v}"]
-    argv += ["-s", str(script), url]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60)
-    for line in out.stdout.splitlines():
-        if line.startswith("WRKJSON "):
-            r = json.loads(line[len("WRKJSON ") :])
-            r["rps"] = r["requests"] / (r["duration_us"] / 1e6)
-            r["errors"] = r["connect"] + r["read"] + r["write"] + r["status"] + r["timeout"]
-            return r
-    raise RuntimeError(f"wrk gave no result:\n{out.stdout}\n{out.stderr}")
-
-
-@dataclass
-class LoadResult:
-    sent: int = 0
-    statuses: dict[int, int] = field(default_factory=dict)
-    latencies: list[float] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    failures: int = 0  # connection errors, timeouts: no status at all
-
-    def ok(self) -> int:
-        return sum(n for s, n in self.statuses.items() if 200 <= s < 300)
-
-
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    length = 0
-    chunked = False
-    for line in lines[1:]:
-        k, _, v = line.partition(b":")
-        k = k.strip().lower()
-        if k == b"content-length":
-            length = int(v)
-        elif k == b"transfer-encoding" and b"chunked" in v.lower():
-            chunked = True
-    if not chunked:
-        return status, await reader.readexactly(length)
-    body = b""
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        chunk = await reader.readexactly(size + 2)
-        if size == 0:
-            return status, body
-        body += chunk[:-2]
-
-
-async def _post_load(
-    port: int,
-    path: str,
-    make_body: Callable[[int], bytes],
-    headers: dict[str, str],
-    *,
-    connections: int,
-    total: int,
-    max_s: float,
-) -> LoadResult:
-    result = LoadResult()
-    counter = iter(range(total))
-    deadline = time.monotonic() + max_s
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n" + "".join(
-        f"{k}: {v}\r\n" for k, v in headers.items()
-    )
-
-    async def one_connection() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            for i in counter:  # shared: each request index is taken exactly once
-                if time.monotonic() > deadline:
-                    return
-                body = make_body(i)
-                req = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
-                t0 = time.perf_counter()
-                result.sent += 1
-                writer.write(req)
-                try:
-                    status, _ = await asyncio.wait_for(_read_response(reader), 10)
-                except (TimeoutError, OSError, asyncio.IncompleteReadError):
-                    result.failures += 1
-                    return
-                result.latencies.append(time.perf_counter() - t0)
-                result.statuses[status] = result.statuses.get(status, 0) + 1
-        finally:
-            writer.close()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one_connection() for _ in range(connections)))
-    result.elapsed_s = time.perf_counter() - t0
-    return result
-
-
-def post_load(
-    url: str,
-    path: str,
-    make_body: Callable[[int], bytes],
-    headers: dict[str, str],
-    *,
-    connections: int,
-    total: int,
-    max_s: float,
-) -> LoadResult:
-    """POST ``total`` requests (at most ``max_s`` seconds) over keep-alive connections."""
-    port = int(url.rsplit(":", 1)[1])
-    try:
-        import uvloop
-
-        runner: Callable[..., Any] = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    return runner(
-        _post_load(
-            port, path, make_body, headers, connections=connections, total=total, max_s=max_s
-        )
-    )
-
-
 # --- statistics ------------------------------------------------------------------------
 
 
@@ -462,131 +310,3 @@ def median(values: list[float]) -> float:
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
-
-
-# --- trainer benchmarks: torchrun jobs, timed by the stamps their own steps write --------
-# (bench/trainer_throughput.py, bench/models.py). A job's CPU is its ranks' utime + stime
-# from /proc, sampled every 50 ms while it runs and interpolated at the step stamps.
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def torchrun(nproc: int) -> list[str]:
-    """The launcher's argv up to the script: ``nproc`` ranks on this machine."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc)]  # fmt: skip
-
-
-def machine_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4], sum(fields)  # minus idle and iowait
-
-
-def _proc_stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, utime + stime ticks) of a process, None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return int(rest[1]), int(rest[11]) + int(rest[12])
-
-
-def ranks_cpu(pid: int, launcher: bool) -> float:
-    """CPU seconds so far of the ranks: a launcher's children, or the process itself."""
-    if not launcher:
-        st = _proc_stat(str(pid))
-        return (st[1] if st else 0) / TICK
-    total = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _proc_stat(entry)) is not None and st[0] == pid:
-            total += st[1]
-    return total / TICK
-
-
-@dataclass
-class Launch:
-    samples: list[tuple[float, float]]  # (unix time, ranks' CPU seconds)
-    others: float  # share of the machine's CPUs that other processes used during the job
-    peak_rss: int  # bytes: ru_maxrss from wait4, the largest process of the tree
-
-
-def launch(
-    argv: list[str],
-    log: Path,
-    timeout: float,
-    *,
-    launcher: bool,
-    extra_env: dict[str, str] | None = None,
-) -> Launch:
-    """Run one job to its end (``launcher``: torchrun, whose children are the ranks; else
-    the one rank itself), output to ``log``; exits the benchmark, with the log's tail, when
-    it fails or runs past ``timeout`` seconds."""
-    env = base_env() | (extra_env or {})
-    env.pop("TRAINQ_REDIS_URL", None)  # the benches measure the trainer, not a Redis
-    samples: list[tuple[float, float]] = []
-    busy0, total0 = machine_ticks()
-    ours0 = os.times()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.05):
-            samples.append((time.time(), ranks_cpu(proc.pid, launcher)))
-
-    def kill() -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    timer = threading.Timer(timeout, kill)
-    timer.start()
-    try:
-        # wait4 on the one pid, not Popen.wait or RUSAGE_CHILDREN: the rusage of this child
-        # (and the descendants it reaped), not the maximum over every child reaped so far.
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-        done.set()
-        sampler.join()
-    proc.returncode = code = os.waitstatus_to_exitcode(status)
-    busy1, total1 = machine_ticks()
-    ours1 = os.times()
-    if code != 0:
-        tail = "\n".join(log.read_text().splitlines()[-25:])
-        why = f"ran past {timeout:.0f} s" if code == -signal.SIGKILL else f"exit code {code}"
-        sys.exit(f"{' '.join(argv[-8:])} failed ({why}); last lines of {log}:\n{tail}")
-    ours = ours1.children_user + ours1.children_system - ours0.children_user - ours0.children_system
-    others = max(0.0, (busy1 - busy0) / TICK - ours) / max(1e-9, (total1 - total0) / TICK)
-    return Launch(samples, others, usage.ru_maxrss * 1024)  # Linux: KiB
-
-
-def step_rates(
-    stamps: list[float], warmup: int, tokens_per_step: int, run: Launch, nproc: int
-) -> tuple[float, float]:
-    """(wall, cpu) tokens/s over the steps after the ``warmup`` first ones, from the unix
-    time stamped at the end of each step: wall ``tokens / (t[last] - t[warmup - 1])``; cpu
-    the same tokens over the ranks' CPU seconds in that window, times ``nproc`` (the
-    tokens/s with a core per rank to itself: the figure to compare on a shared machine)."""
-    start, end = stamps[warmup - 1], stamps[-1]
-    tokens = (len(stamps) - warmup) * tokens_per_step
-    t = np.array([s[0] for s in run.samples])
-    c = np.maximum.accumulate(np.array([s[1] for s in run.samples]))  # an exit drops ticks
-    cpu_s = float(np.interp(end, t, c) - np.interp(start, t, c))
-    return tokens / (end - start), tokens / max(1e-9, cpu_s / nproc)
-
-
-def step_records(run_dir: Path, expected: int) -> list[dict[str, Any]]:
-    """The trainer's metrics.jsonl step records, by step; exits unless there are ``expected``."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = sorted((r for r in map(json.loads, lines) if "loss" in r), key=lambda r: r["step"])
-    if len(records) != expected:
-        sys.exit(f"{run_dir}/metrics.jsonl has {len(records)} step records, expected {expected}")
-    return records

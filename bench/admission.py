@@ -65,11 +65,12 @@ from _util import (
 )
 from dispatch import CFG, boot_time, find_torchrun, start_time, wait
 
-from service.api.admit import Admitter, Held, Waiting, Worker, decide
-from service.api.db import make_engine, make_sessionmaker
-from service.api.dispatch import Dispatcher
-from service.api.models import ATTEMPTS, JOBS
-from service.api.settings import Settings
+from service.api.core.db import make_engine, make_sessionmaker
+from service.api.core.models import ATTEMPTS, JOBS
+from service.api.core.settings import Settings
+from service.api.scheduling.admit import Admitter
+from service.api.scheduling.decide import Held, Waiting, Worker, decide
+from service.api.scheduling.dispatch import Dispatcher
 from tests.conftest import RedisDBs
 from trainer.data import write_shard
 

@@ -111,7 +111,7 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
-    from service.api.migrate import upgrade
+    from service.api.core.migrate import upgrade
 
     name = f"trainq_bench_{uuid.uuid4().hex[:8]}"
     admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")

@@ -58,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._util import Launch, launch, step_rates, step_records, torchrun  # noqa: E402
+from bench._torchrun import Launch, launch, step_rates, step_records, torchrun  # noqa: E402
 from trainer.prepare import prepare_demo  # noqa: E402
 
 MIB = 1024 * 1024

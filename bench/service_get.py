@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 import redis
+from _load import wrk
 from _util import (
     REPO,
     SHARED_CORES_NOTE,
@@ -41,7 +42,6 @@ from _util import (
     serve,
     stack,
     verdict,
-    wrk,
 )
 
 from trainer.events import Event, Keys

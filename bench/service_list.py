@@ -30,10 +30,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sqlalchemy as sa
-from _util import SHARED_CORES_NOTE, Server, Stack, alternate, median, stack, verdict, wrk
+from _load import wrk
+from _util import SHARED_CORES_NOTE, Server, Stack, alternate, median, stack, verdict
 
-from service.api.crud import encode_cursor
-from service.api.models import JOBS
+from service.api.core.models import JOBS
+from service.api.jobs.crud import encode_cursor
 from trainer.config import TrainConfig
 
 STATUSES = ("succeeded",) * 7 + ("failed", "cancelled", "running")

@@ -28,7 +28,7 @@ import httpx
 import sqlalchemy as sa
 from _util import SHARED_CORES_NOTE, alternate, percentiles, stack
 
-from service.api.models import METRICS
+from service.api.core.models import METRICS
 
 
 def fill(pg_url: str, job_id: str, rows: int) -> None:

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import redis
 import sqlalchemy as sa
-from _util import SHARED_CORES_NOTE, percentiles, post_load, stack, verdict
+from _load import post_load
+from _util import SHARED_CORES_NOTE, percentiles, stack, verdict
 
 QUEUE = "bench-submit"
 

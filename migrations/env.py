@@ -1,4 +1,4 @@
-"""Alembic environment: the target is ``service.api.models.Base.metadata``.
+"""Alembic environment: the target is ``service.api.core.models.Base.metadata``.
 
 The URL comes from the Alembic config (``trainq db upgrade`` sets it from the settings) or,
 when Alembic runs by hand, from ``TRAINQ_DATABASE_URL``. A caller may also hand over an open
@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, engine_from_config, pool
 
-from service.api.models import Base
+from service.api.core.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -46,7 +46,7 @@ def run_online() -> None:
         return
     section = config.get_section(config.config_ini_section, {})
     if not section.get("sqlalchemy.url"):
-        from service.api.settings import Settings
+        from service.api.core.settings import Settings
 
         section["sqlalchemy.url"] = Settings().database_url
     engine = engine_from_config(section, prefix="sqlalchemy.", poolclass=pool.NullPool)

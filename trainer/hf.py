@@ -32,7 +32,6 @@ from trainer.config import (
     TrainConfig,
     resolve_data_path,
 )
-from trainer.export import ATOL, ExportError, checkpoint_config, load_model
 from trainer.files import FILE_MODE, make_dirs, set_mode
 from trainer.hf_io import (
     CONFIG_FILE,
@@ -51,6 +50,7 @@ from trainer.hf_io import (
     to_hf_state_dict,
     weight_files,
 )
+from trainer.restore import ATOL, ExportError, checkpoint_config, load_model
 from trainer.tokenizer import TOKENIZER_FILE
 
 __all__ = ["check_init", "load_init", "write_hf"]

@@ -12,7 +12,7 @@ config.json with those modes and starts the run with the matching umask.
 
 A job of N nodes is N tasks, one per node (``msg.node_rank``), each with its own claim,
 heartbeat and event source (trainer.events); their events carry ``node``. The service
-decides the attempt from all of them (service.api.state).
+decides the attempt from all of them (service.api.jobs.state).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Revision ID: 0005
 Revises: 0004
 Create Date: 2026-12-04
 
-The service admits jobs (service.api.admit): a queued job waits in SQL until the admitter
+The service admits jobs (service.api.scheduling.admit): a queued job waits in SQL until the admitter
 places each of its nodes on a concrete worker, recorded in ``attempts.placement`` (a list of
 worker names, one per node; null while the attempt waits for admission). ``jobs.priority``
 orders admission (higher first); ``jobs.not_before`` holds a job back after its gang failed

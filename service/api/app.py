@@ -4,7 +4,7 @@ Building an app does no I/O: the engine and Redis clients connect on first use, 
 this module is cheap and never loads torch or Celery. The lifespan starts the ingestor and the
 reconciler as daemon threads when ``TRAINQ_INGEST`` / ``TRAINQ_RECONCILE`` are on (tests turn
 them off and drive both directly). Errors become HTTP here, at the edge: the service's own
-exception tree (``service.api.errors``), database and Redis outages as 503 with a one-line
+exception tree (``service.api.core.errors``), database and Redis outages as 503 with a one-line
 message, request validation as 422 naming the field; nothing leaks a traceback.
 """
 
@@ -29,24 +29,28 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from service.api import dashboard, telemetry
-from service.api.admit import Admitter
-from service.api.auth import ANONYMOUS, TokenCache
-from service.api.datasets_work import DatasetWork
-from service.api.db import make_async_reader, make_engine, make_sessionmaker
-from service.api.deps import Services
-from service.api.dispatch import Dispatcher
-from service.api.errors import PayloadTooLarge, TrainqError
-from service.api.ingest import Ingestor
-from service.api.ratelimit import SubmitLimits
-from service.api.reconcile import Reconciler
-from service.api.retention import Retention
-from service.api.routes import checkpoints as checkpoint_routes
-from service.api.routes import datasets as dataset_routes
-from service.api.routes import generate, health, jobs, streams, workers
-from service.api.settings import Settings
-from service.api.sse import StreamHub
-from service.api.submit import GroupCommit
+from service.api import dashboard
+from service.api.checkpoints import router as checkpoint_routes
+from service.api.core import health, telemetry
+from service.api.core.auth import ANONYMOUS, TokenCache
+from service.api.core.db import make_async_reader, make_engine, make_sessionmaker
+from service.api.core.deps import Services
+from service.api.core.errors import PayloadTooLarge, TrainqError
+from service.api.core.settings import Settings
+from service.api.datasets import router as dataset_routes
+from service.api.datasets.work import DatasetWork
+from service.api.generation import router as generate
+from service.api.jobs import router as jobs
+from service.api.jobs.submit import GroupCommit
+from service.api.scheduling import router as workers
+from service.api.scheduling.admit import Admitter
+from service.api.scheduling.dispatch import Dispatcher
+from service.api.scheduling.ratelimit import SubmitLimits
+from service.api.scheduling.reconcile import Reconciler
+from service.api.scheduling.retention import Retention
+from service.api.streams import router as streams
+from service.api.streams.ingest import Ingestor
+from service.api.streams.sse import StreamHub
 from trainer.events import Keys
 
 __all__ = ["app", "build_services", "create_app"]
@@ -192,7 +196,7 @@ def _error(status: int, detail: Any) -> JSONResponse:
 def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(TrainqError)
     async def _trainq(_: Request, exc: TrainqError) -> JSONResponse:
-        from service.api.errors import InvalidInput, TooManyRequests, Unauthorized
+        from service.api.core.errors import InvalidInput, TooManyRequests, Unauthorized
 
         if isinstance(exc, InvalidInput):
             return _error(422, exc.errors)

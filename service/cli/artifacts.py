@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from service.cli.commands import cli_errors
+from service.cli.base import cli_errors
 from service.cli.output import clean, fmt, table, when
 
 if TYPE_CHECKING:

@@ -15,7 +15,6 @@ job's own log text.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
+from service.cli.base import cli_errors, fail, make_client
 from service.cli.output import (
     clean,
     fmt,
@@ -35,12 +35,12 @@ from service.cli.output import (
     trainq_command,
 )
 from service.cli.plan_view import plan_text
-from service.cli.specfile import SpecError, load_spec
+from service.cli.specfile import load_spec
 
 if TYPE_CHECKING:
     from service.cli.client import Client
 
-__all__ = ["cli_errors", "register", "wait_for_job"]
+__all__ = ["register", "wait_for_job"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -54,46 +54,6 @@ unreachable or unavailable (or TRAINQ_URL is not a trainq API); 6 the API refuse
 --wait retries after Retry-After until --timeout); 130 Ctrl-C while waiting (the job keeps
 going).
 """
-
-
-def fail(message: str, code: int) -> typer.Exit:
-    """Print one line on stderr; the caller raises the returned Exit."""
-    # The message may quote the server (an error's detail): one line, no escapes, whatever.
-    typer.echo(f"trainq: error: {clean(message)}", err=True)
-    return typer.Exit(code)
-
-
-def cli_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Every error a command meets becomes one line on stderr and its exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from service.cli.client import EXIT_INTERRUPTED, EXIT_UNREACHABLE, ClientError
-
-        try:
-            return fn(*args, **kwargs)
-        except ClientError as exc:
-            raise fail(exc.message, exc.exit_code) from None
-        except SpecError as exc:
-            raise fail(str(exc), 2) from None
-        except (typer.Exit, typer.Abort):
-            raise
-        except KeyboardInterrupt:
-            typer.echo("", err=True)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        except BrokenPipeError:
-            raise typer.Exit(0) from None  # `trainq logs ID | head`
-        except Exception as exc:  # the last resort: a line, not a traceback
-            name = exc.__class__.__name__
-            raise fail(f"{name}: {exc}", EXIT_UNREACHABLE if "Timeout" in name else 1) from None
-
-    return wrapper
-
-
-def _client() -> Client:
-    from service.cli.client import Client
-
-    return Client()
 
 
 def _show(out: Any, as_json: bool, text: Callable[[Any], str]) -> None:
@@ -248,7 +208,7 @@ def register(app: typer.Typer) -> None:
         """Submit a job; print its id and URL. --wait/--follow gate on its outcome."""
         spec = load_spec(spec_file, overrides or [])
         deadline = time.monotonic() + timeout if timeout is not None else None
-        with _client() as client:
+        with make_client() as client:
             if wait or follow:
                 job, retried = _submit_retrying(client, spec, idempotency_key, deadline)
                 if retried and deadline is not None:  # the retries' time came out of --timeout
@@ -279,7 +239,7 @@ def register(app: typer.Typer) -> None:
         """Dry run: validate the spec as submit does and print its plan (parameters, memory
         per device by term, whether it fits the queue's devices); nothing is queued."""
         spec = load_spec(spec_file, overrides or [])
-        with _client() as client:
+        with make_client() as client:
             _show(client.plan(spec), as_json, plan_text)
 
     @app.command("ls")
@@ -294,7 +254,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
     ) -> None:
         """List jobs, newest first."""
-        with _client() as client:
+        with make_client() as client:
             page = client.jobs(status=status, labels=label, name=name, limit=limit)
         _show(page, as_json, lambda p: job_rows(p.get("items", [])))
 
@@ -305,7 +265,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
     ) -> None:
         """One job: status, reason, attempts, latest metrics, why it waits."""
-        with _client() as client:
+        with make_client() as client:
             _show(client.job(job_id), as_json, job_status)
 
     @app.command("logs")
@@ -320,7 +280,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Print a job's log lines (every rank, tagged); -f follows until the job ends."""
-        with _client() as client:
+        with make_client() as client:
             if not follow:
                 sys.stdout.write(client.logs(job_id, tail=tail))
                 sys.stdout.flush()
@@ -333,7 +293,7 @@ def register(app: typer.Typer) -> None:
     @cli_errors
     def cancel(job_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
         """Cancel a job (idempotent): queued ends at once, running stops within the grace."""
-        with _client() as client:
+        with make_client() as client:
             job = client.cancel(job_id)
         typer.echo(clean(f"job {job.get('id')} {job.get('status')}"))
 
@@ -341,7 +301,7 @@ def register(app: typer.Typer) -> None:
     @cli_errors
     def rm(job_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
         """Delete a finished job with its metrics and logs (a running one: cancel it first)."""
-        with _client() as client:
+        with make_client() as client:
             client.delete_job(job_id)
         typer.echo(clean(f"job {job_id} deleted"))
 
@@ -354,7 +314,7 @@ def register(app: typer.Typer) -> None:
         max_points: Annotated[int, typer.Option("--max-points", min=1, max=100_000)] = 1000,
     ) -> None:
         """A job's metrics by step (downsampled to --max-points)."""
-        with _client() as client:
+        with make_client() as client:
             if csv:
                 text = client.metrics_csv(job_id, max_points=max_points)
                 sys.stdout.write("\n".join(clean(line) for line in text.split("\n")))
@@ -383,7 +343,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
     ) -> None:
         """Live workers: queues, slots, GPUs, running jobs."""
-        with _client() as client:
+        with make_client() as client:
             out = client.workers()
         if as_json:
             typer.echo(json.dumps(out, indent=2))
@@ -410,7 +370,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Queues: capacity (workers, free/all slots, slot size), running and queued jobs,
         and who queued them at which priority."""
-        with _client() as client:
+        with make_client() as client:
             out = client.queues()
         if as_json:
             typer.echo(json.dumps(out, indent=2))

@@ -2,10 +2,10 @@
 
 ``register(data_app)`` adds them to the ``trainq data`` group (``service.cli.commands``). The
 upload streams the file from disk in chunks (never read whole), with a progress bar on a
-terminal, and checks each chunk as the server will (``service.api.datasets_upload``, which
+terminal, and checks each chunk as the server will (``service.api.datasets.upload``, which
 imports the standard library only, and numpy for ``bin``), so a bad file stops at once with
 the server's own message. ``--wait`` polls the dataset until it is ``ready`` or ``failed``.
-Every error is one line (``service.cli.commands.cli_errors``).
+Every error is one line (``service.cli.base.cli_errors``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _Bar:
 
 def _chunks(path: Path, fmt_: str, vocab: int, bar: _Bar) -> Iterator[bytes]:
     """The file in chunks, each checked as the server checks it (Refused: stop now)."""
-    from service.api.datasets_upload import JsonlCheck, make_check
+    from service.api.datasets.upload import JsonlCheck, make_check
 
     check = make_check(fmt_, vocab)
     sent = 0
@@ -80,7 +80,7 @@ def _chunks(path: Path, fmt_: str, vocab: int, bar: _Bar) -> Iterator[bytes]:
 def _upload(client: Client, path: Path, params: dict[str, Any], vocab: int) -> dict[str, Any]:
     import httpx
 
-    from service.api.datasets_upload import Refused
+    from service.api.datasets.upload import Refused
     from service.cli.client import ApiError, Invalid
 
     size = path.stat().st_size
@@ -130,7 +130,7 @@ def _line(d: dict[str, Any]) -> str:
 
 def register(data_app: typer.Typer) -> None:
     """Add ``upload``, ``list``, ``show`` and ``rm`` to the ``trainq data`` group."""
-    from service.cli.commands import _client, cli_errors, fail
+    from service.cli.base import cli_errors, fail, make_client
 
     @data_app.command("upload")
     @cli_errors
@@ -173,7 +173,7 @@ def register(data_app: typer.Typer) -> None:
         if vocab_size is not None:
             params["vocab_size"] = vocab_size
         vocab = vocab_size or (256 if tokenizer == "byte" else 65536)
-        with _client() as client:
+        with make_client() as client:
             found = _upload(client, file, params, vocab)
             typer.echo(clean(f"dataset {name} uploaded ({found.get('bytes')} bytes), preparing"))
             if not wait:
@@ -194,7 +194,7 @@ def register(data_app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
     ) -> None:
         """Your datasets (an admin token: everyone's), newest first."""
-        with _client() as client:
+        with make_client() as client:
             out = client._json("GET", "/v1/datasets", "datasets")
         if as_json:
             typer.echo(json.dumps(out, indent=2))
@@ -225,7 +225,7 @@ def register(data_app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
     ) -> None:
         """One dataset: status, reason, counts, folder under the data root."""
-        with _client() as client:
+        with make_client() as client:
             found = _show(client, name, owner)
         if as_json:
             typer.echo(json.dumps(found, indent=2))
@@ -241,6 +241,6 @@ def register(data_app: typer.Typer) -> None:
     ) -> None:
         """Delete a dataset and its folder (refused while a queued or running job uses it)."""
         params = {"owner": owner} if owner else {}
-        with _client() as client:
+        with make_client() as client:
             client._request("DELETE", _path(name), f"dataset {name}", params=params)
         typer.echo(clean(f"dataset {name} deleted"))

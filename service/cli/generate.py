@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from service.cli.commands import _client, cli_errors
+from service.cli.base import cli_errors, make_client
 
 __all__ = ["register"]
 
@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
             body["seed"] = seed
         if stop:
             body["stop"] = stop
-        with _client() as client:
+        with make_client() as client:
             if stream and not as_json:
                 for text in _stream(client, body):
                     sys.stdout.write(text)

@@ -19,7 +19,7 @@ from service.local.demo import DEMO_STEPS
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
-    from service.api.settings import Settings
+    from service.api.core.settings import Settings
 
 __all__ = ["app", "main"]
 
@@ -35,13 +35,13 @@ app.add_typer(token_app, name="token")
 
 
 def _settings() -> Settings:
-    from service.api.settings import Settings
+    from service.api.core.settings import Settings
 
     return Settings()
 
 
 def _sessions() -> sessionmaker[Session]:
-    from service.api.db import make_engine, make_sessionmaker
+    from service.api.core.db import make_engine, make_sessionmaker
 
     settings = _settings()
     return make_sessionmaker(make_engine(settings))
@@ -50,7 +50,7 @@ def _sessions() -> sessionmaker[Session]:
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply migrations up to REVISION (default: head)."""
-    from service.api import migrate
+    from service.api.core import migrate
 
     url = _settings().database_url
     migrate.upgrade(url, revision)
@@ -60,7 +60,7 @@ def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
 @db_app.command("downgrade")
 def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
     """Revert migrations down to REVISION ("base" removes every table)."""
-    from service.api import migrate
+    from service.api.core import migrate
 
     url = _settings().database_url
     migrate.downgrade(url, revision)
@@ -70,7 +70,7 @@ def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
 @db_app.command("current")
 def db_current() -> None:
     """Print the database's current revision."""
-    from service.api import migrate
+    from service.api.core import migrate
 
     typer.echo(migrate.current(_settings().database_url) or "(empty)")
 
@@ -81,7 +81,7 @@ def token_create(
     admin: Annotated[bool, typer.Option("--admin", help="sees and cancels every job")] = False,
 ) -> None:
     """Create a token; it is printed once, alone on the last line, and never stored."""
-    from service.api.auth import create_token
+    from service.api.core.auth import create_token
 
     name = name.strip()
     if not name or len(name) > 128:
@@ -96,7 +96,7 @@ def token_create(
 @token_app.command("list")
 def token_list() -> None:
     """List tokens (id, name, admin, created, revoked); never the tokens themselves."""
-    from service.api.auth import list_tokens
+    from service.api.core.auth import list_tokens
 
     with _sessions()() as session:
         rows = list_tokens(session)
@@ -116,7 +116,7 @@ def token_revoke(
     token_id: Annotated[int | None, typer.Option("--id", help="revoke one token by id")] = None,
 ) -> None:
     """Revoke tokens by --name or --id (effective within TRAINQ_TOKEN_CACHE_S)."""
-    from service.api.auth import revoke_tokens
+    from service.api.core.auth import revoke_tokens
 
     if (name is None) == (token_id is None):
         raise typer.BadParameter("give exactly one of --name or --id")
@@ -129,7 +129,7 @@ def token_revoke(
 
 def _limit_values(row: Any) -> list[str]:
     """An owner_limits row's limits as text, "-" where the service's setting applies."""
-    from service.api.limits import LIMIT_FIELDS
+    from service.api.scheduling.limits import LIMIT_FIELDS
 
     values = [getattr(row, f) if row is not None else None for f in LIMIT_FIELDS]
     return ["-" if v is None else str(v) for v in values]
@@ -153,8 +153,8 @@ def token_limits(
     """Set an owner's limits (only those given change) and print them; with no NAME, list
     every owner's. "-": the service's setting applies (TRAINQ_MAX_PRIORITY, ...). The API
     sees a change within TRAINQ_TOKEN_CACHE_S."""
-    from service.api.db import make_engine, make_sessionmaker
-    from service.api.limits import list_limits, set_limits
+    from service.api.core.db import make_engine, make_sessionmaker
+    from service.api.scheduling.limits import list_limits, set_limits
 
     values = {
         "max_priority": max_priority,
@@ -198,7 +198,7 @@ def api(
     """Serve the REST API (service.api.app:app) with uvicorn."""
     import uvicorn
 
-    from service.api.db import ensure_sqlite_dir
+    from service.api.core.db import ensure_sqlite_dir
 
     ensure_sqlite_dir(_settings().database_url)
     uvicorn.run("service.api.app:app", host=host, port=port, workers=workers, log_level="info")

@@ -50,7 +50,7 @@ from service.local.embedded import (
 )
 
 if TYPE_CHECKING:
-    from service.api.settings import Settings
+    from service.api.core.settings import Settings
     from service.cli.client import Client
 
 __all__ = ["UpError", "up"]
@@ -215,7 +215,7 @@ class Up:
             self.worker_names.append(name)
 
     def _migrate(self, url: str) -> None:
-        from service.api import migrate
+        from service.api.core import migrate
 
         try:
             migrate.upgrade(url)
@@ -227,9 +227,9 @@ class Up:
         path = self.data_dir / "admin-token"
         if path.exists():
             return path.read_text().strip()
-        from service.api.auth import create_token
-        from service.api.db import make_engine, make_sessionmaker
-        from service.api.settings import Settings
+        from service.api.core.auth import create_token
+        from service.api.core.db import make_engine, make_sessionmaker
+        from service.api.core.settings import Settings
 
         settings = Settings(database_url=env["TRAINQ_DATABASE_URL"])
         engine = make_engine(settings)
@@ -292,7 +292,7 @@ class Up:
             time.sleep(0.05)
 
     def start(self) -> Client:
-        from service.api.settings import Settings
+        from service.api.core.settings import Settings
 
         t0 = time.monotonic()
         settings = Settings()

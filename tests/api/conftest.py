@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import migrate
 from service.api.app import create_app
-from service.api.deps import Services
-from service.api.settings import Settings
+from service.api.core import migrate
+from service.api.core.deps import Services
+from service.api.core.settings import Settings
 from tests.api.support import Api, WorkerSim, forget_jobs_since, make_tokens
 
 

@@ -19,11 +19,11 @@ import redis as redis_lib
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.api.auth import create_token
-from service.api.deps import Services
-from service.api.ingest import Ingestor
-from service.api.reconcile import Reconciler
-from service.api.settings import Settings
+from service.api.core.auth import create_token
+from service.api.core.deps import Services
+from service.api.core.settings import Settings
+from service.api.scheduling.reconcile import Reconciler
+from service.api.streams.ingest import Ingestor
 from trainer.events import Event, Keys
 from worker.message import broker_queue
 
@@ -122,7 +122,7 @@ def forget_jobs_since(url: str, started_ms: int) -> None:
     reconciler scans every attempt in the store, and this store is shared by the session."""
     from sqlalchemy import create_engine, delete, pool
 
-    from service.api.models import JOBS
+    from service.api.core.models import JOBS
 
     engine = create_engine(url, poolclass=pool.NullPool)
     try:

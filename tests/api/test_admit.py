@@ -1,5 +1,5 @@
-"""The admitter (service.api.admit) against the real stores: PostgreSQL, Redis, the Celery
-broker's lists. Workers here are registry entries written as a worker writes them (the
+"""The admitter (service.api.scheduling.admit) against the real stores: PostgreSQL, Redis, the
+Celery broker's lists. Workers here are registry entries written as a worker writes them (the
 worker itself is tested in tests/worker and end to end in tests/e2e/test_scheduler.py); what
 is asserted is what the admitter reads and writes: placements in SQL, messages in each
 worker's own broker queue, pending reasons, preemption flags. ``decide`` is also asked
@@ -20,10 +20,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from service.api.admit import Admitter, Held, Waiting, Worker, decide
 from service.api.app import create_app
-from service.api.models import ATTEMPTS, JOBS
-from service.api.settings import Settings
+from service.api.core.models import ATTEMPTS, JOBS
+from service.api.core.settings import Settings
+from service.api.scheduling.admit import Admitter
+from service.api.scheduling.decide import Held, Waiting, Worker, decide
 from tests.api.support import Api, forget_jobs_since, make_tokens
 from worker.message import JobMessage, worker_queue
 
@@ -221,7 +222,7 @@ def test_preemption_asks_the_newest_lower_priority_job_to_yield(admit_api: Api) 
     # The worker reports the preempted exit: the low job is requeued, no retry spent, and
     # the high one takes the slot.
     with api.services.sessions() as session, session.begin():
-        from service.api.state import attempt_exited
+        from service.api.jobs.state import attempt_exited
 
         out = attempt_exited(
             session, low["id"], 1, exit_code=None, reason="preempted", message="preempted"
@@ -322,7 +323,7 @@ def test_a_job_held_back_after_its_gang_failed_waits_until_its_backoff(admit_api
 def test_the_waiting_set_follows_cancels_retries_and_another_replica(admit_api: Api) -> None:
     """The admitter reads only new attempts between full reads (Admitter._waiting): a cancel,
     a retry's new attempt and another replica's placements must all show in its order."""
-    from service.api.state import attempt_exited, attempt_lost
+    from service.api.jobs.state import attempt_exited, attempt_lost
 
     api = admit_api
     [w] = names(1)

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.api.settings import Settings
+from service.api.core.settings import Settings
 from tests.api.support import Api, Uvicorn, make_tokens
 
 pytestmark = pytest.mark.timeout(60)

@@ -197,7 +197,7 @@ def test_revoked_token_stops_working(api: Api, make_settings: Any) -> None:
     from fastapi.testclient import TestClient
 
     from service.api.app import create_app
-    from service.api.auth import create_token, revoke_tokens
+    from service.api.core.auth import create_token, revoke_tokens
 
     app = create_app(make_settings(token_cache_s=0))
     s = app.state.services
@@ -224,8 +224,8 @@ def test_auth_off_only_when_said_so(make_settings: Any) -> None:
 
 
 def test_random_tokens_cannot_flush_a_known_one_from_the_cache(api: Api) -> None:
-    from service.api.auth import TokenCache
-    from service.api.errors import Unauthorized
+    from service.api.core.auth import TokenCache
+    from service.api.core.errors import Unauthorized
 
     cache = TokenCache(api.services.reader.connect, ttl_s=60, max_entries=50)
     known = f"Bearer {api.token}"

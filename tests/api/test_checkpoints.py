@@ -23,8 +23,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from service.api.checkpoints import DONE, checkpoints_dir, open_format
-from service.api.checkpoints_tar import MAX_OPEN, Archive
+from service.api.checkpoints.files import DONE, checkpoints_dir, open_format
+from service.api.checkpoints.tar import MAX_OPEN, Archive
 from service.cli import main as cli
 from tests.api.support import Api, Uvicorn, WorkerSim
 from tests.trainer import runs

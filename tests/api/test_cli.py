@@ -12,9 +12,9 @@ from alembic.script import ScriptDirectory
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from service.api import migrate
 from service.api.app import create_app
-from service.api.settings import Settings
+from service.api.core import migrate
+from service.api.core.settings import Settings
 from service.cli import main as cli
 
 

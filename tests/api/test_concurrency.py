@@ -13,7 +13,7 @@ import httpx
 from sqlalchemy import func, select
 
 from service.api.app import create_app
-from service.api.models import JOBS
+from service.api.core.models import JOBS
 from tests.api.support import Api, Uvicorn
 
 

@@ -2,7 +2,7 @@
 preparation by a child process, ownership, limits, and what a job spec's dataset becomes.
 
 The real app (TestClient) on PostgreSQL; preparation runs ``python -m
-service.api.datasets_prepare`` as the API does. Each test has its own owners, so their
+service.api.datasets.prepare`` as the API does. Each test has its own owners, so their
 folders under the session's data root are their own.
 """
 
@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from sqlalchemy import insert
 
-from service.api.datasets import folder_of, owner_key, work_paths
-from service.api.models import DATASETS, new_job_id, utcnow
+from service.api.core.models import DATASETS, new_job_id, utcnow
+from service.api.datasets.service import folder_of, owner_key, work_paths
 from tests.api.support import Api
 from trainer.data import TokenDataset, write_shard
 from trainer.prepare import prepare
@@ -370,7 +370,7 @@ def test_byte_level_uploads_are_prepared_as_trainer_prepare_prepares_them(
 
 
 def _child(tmp_path: Path, env: dict[str, str], shard_tokens: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "service.api.datasets_prepare", "--format", "text"]
+    argv = [sys.executable, "-m", "service.api.datasets.prepare", "--format", "text"]
     argv += ["--src", str(tmp_path / "up"), "--out", str(tmp_path / "out")]
     argv += ["--dataset-path", "datasets/k/n", "--val-fraction", "0.3", "--wait-go"]
     argv += ["--shard-tokens", str(shard_tokens)]

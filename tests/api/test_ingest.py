@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service.api.models import LOGS, METRICS
+from service.api.core.models import LOGS, METRICS
 from tests.api.support import Api, WorkerSim
 from trainer.events import Keys, Publisher
 
@@ -136,7 +136,7 @@ def test_a_dead_consumers_pending_entries_are_claimed(
     r = api.services.redis
     api.ingestor(consumer="dead").ensure_group()
     r.xreadgroup(api.settings.consumer_group, "dead", {api.keys.events: ">"}, count=100)
-    from service.api.ingest import Ingestor
+    from service.api.streams.ingest import Ingestor
 
     settings = make_settings(redis_prefix=api.settings.redis_prefix, ingest_claim_idle_ms=0)
     s = api.services

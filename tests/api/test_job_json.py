@@ -17,10 +17,10 @@ from typing import Any
 
 from sqlalchemy import func, update
 
-from service.api.auth import Principal
-from service.api.models import ATTEMPTS, JOBS
-from service.api.routes import jobs
-from service.api.schemas import JobOut
+from service.api.core.auth import Principal
+from service.api.core.models import ATTEMPTS, JOBS
+from service.api.jobs import router as jobs
+from service.api.jobs.schemas import JobOut
 from tests.api.support import Api, WorkerSim, register_worker
 
 

@@ -49,7 +49,7 @@ def test_submit_commits_and_sends_to_the_queue(api: Api) -> None:
     with api.services.sessions() as session:
         from sqlalchemy import select
 
-        from service.api.models import ATTEMPTS
+        from service.api.core.models import ATTEMPTS
 
         sent = session.execute(
             select(ATTEMPTS.c.sent_at).where(ATTEMPTS.c.job_id == job["id"])

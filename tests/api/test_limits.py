@@ -1,5 +1,5 @@
-"""Per-owner submit limits (service.api.ratelimit): submits per window, queued jobs; 429 with
-Retry-After naming the setting; idempotent replays neither counted nor refused; the CLI's
+"""Per-owner submit limits (service.api.scheduling.ratelimit): submits per window, queued jobs; 429
+with Retry-After naming the setting; idempotent replays neither counted nor refused; the CLI's
 ``submit --wait`` retries a 429 after its Retry-After."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from service.api.app import create_app
-from service.api.settings import Settings
+from service.api.core.settings import Settings
 from service.cli import main as cli
 from tests.api.support import Uvicorn, WorkerSim, closed_url, forget_jobs_since, make_tokens
 

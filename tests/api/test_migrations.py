@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from service.api import migrate
-from service.api.models import Base
+from service.api.core import migrate
+from service.api.core.models import Base
 
 
 @pytest.fixture()

@@ -9,7 +9,7 @@ from typing import Any
 import redis as redis_lib
 from sqlalchemy import select
 
-from service.api.models import ATTEMPTS
+from service.api.core.models import ATTEMPTS
 from tests.api.support import Api, WorkerSim
 from trainer.events import NODE_SEQ_SHIFT, Event, worker_source
 

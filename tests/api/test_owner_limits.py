@@ -1,5 +1,5 @@
-"""Per-owner limits (service.api.limits): the priority an owner may ask for (403 above it,
-raised with ``trainq token limits``; admins unlimited), an owner's own submit limits over the
+"""Per-owner limits (service.api.scheduling.limits): the priority an owner may ask for (403 above
+it, raised with ``trainq token limits``; admins unlimited), an owner's own submit limits over the
 settings (429 naming where the limit is set), and the per-job runtime rules (max_runtime_s
 required above a rank count, a per-queue default deadline stored on the job)."""
 
@@ -16,9 +16,9 @@ from sqlalchemy import create_engine, delete, pool
 from typer.testing import CliRunner
 
 from service.api.app import create_app
-from service.api.limits import running_caps, set_limits
-from service.api.models import OWNER_LIMITS
-from service.api.settings import Settings
+from service.api.core.models import OWNER_LIMITS
+from service.api.core.settings import Settings
+from service.api.scheduling.limits import running_caps, set_limits
 from service.cli import main as cli
 from tests.api.support import forget_jobs_since, make_tokens
 

@@ -247,7 +247,7 @@ def test_hf_reads_config_json_under_the_data_root(api: Api, data_root: Path) -> 
 
 def test_the_plan_loads_no_torch() -> None:
     code = (
-        "import sys, service.api.routes.jobs, trainer.plan; "
+        "import sys, service.api.jobs.router, trainer.plan; "
         "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.api.models import ATTEMPTS
-from service.api.reconcile import Reconciler
+from service.api.core.models import ATTEMPTS
+from service.api.scheduling.reconcile import Reconciler
 from tests.api.support import Api, WorkerSim, closed_url, make_tokens
 
 
@@ -83,7 +83,7 @@ def test_heartbeat_grace(api: Api, sim: Callable[..., WorkerSim], make_settings:
     w.running()
     api.drain()
     w.stop_heartbeat()
-    from service.api.reconcile import Reconciler
+    from service.api.scheduling.reconcile import Reconciler
 
     s = api.services
     patient = Reconciler(

@@ -1,5 +1,5 @@
-"""Retention (service.api.retention): ``DELETE /v1/jobs/{id}`` and the background pass delete
-finished jobs with their attempts, metrics, logs, Redis stream and (when asked) run folder,
+"""Retention (service.api.scheduling.retention): ``DELETE /v1/jobs/{id}`` and the background pass
+delete finished jobs with their attempts, metrics, logs, Redis stream and (when asked) run folder,
 never a job that is still queued or running, never anything a link in the runs root points at;
 ``trainq rm`` answers in one line."""
 
@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from typer.testing import CliRunner
 
-from service.api import migrate
 from service.api.app import create_app
-from service.api.models import ATTEMPTS, JOBS, LOGS, METRICS, utcnow
-from service.api.retention import Retention, delete_jobs
-from service.api.settings import Settings
+from service.api.core import migrate
+from service.api.core.models import ATTEMPTS, JOBS, LOGS, METRICS, utcnow
+from service.api.core.settings import Settings
+from service.api.scheduling.retention import Retention, delete_jobs
 from service.cli import main as cli
 from tests.api.support import Api, Uvicorn, WorkerSim, forget_jobs_since, make_tokens
 
@@ -171,7 +171,7 @@ def test_sqlite_delete_with_and_without_the_foreign_keys_pragma(sqlite_api: Api)
     assert _delete(api, first).status_code == 204
     assert _rows(api, first) == {"jobs": 0, "attempts": 0, "metrics": 0, "logs": 0}
     assert not (api.settings.runs_root / first).exists()
-    # An engine made without service.api.db's pragmas (foreign keys off): the children are
+    # An engine made without service.api.core.db's pragmas (foreign keys off): the children are
     # deleted explicitly all the same, so none is left behind.
     plain = create_engine(api.settings.database_url)
     try:

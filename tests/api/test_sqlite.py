@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from service.api import migrate
 from service.api.app import create_app
+from service.api.core import migrate
 from tests.api.support import Api, WorkerSim, make_tokens
 
 

@@ -229,7 +229,7 @@ def test_sse_more_followers_than_the_redis_pool_all_get_every_event(
 def test_streams_are_capped_per_owner_and_close_when_the_token_is_revoked(
     api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
 ) -> None:
-    from service.api.auth import revoke_tokens
+    from service.api.core.auth import revoke_tokens
 
     app = create_app(
         make_settings(
@@ -239,7 +239,7 @@ def test_streams_are_capped_per_owner_and_close_when_the_token_is_revoked(
     user, token, _, admin = make_tokens(app.state.services)
     services = app.state.services
     with services.sessions() as session, session.begin():
-        from service.api.auth import create_token
+        from service.api.core.auth import create_token
 
         job_token = create_token(session, api.user)  # a second token of the job's owner
     job = api.submit()

@@ -1,5 +1,5 @@
-"""Group commit of submits (service.api.submit): concurrent POSTs share commits and broker writes,
-each answered only once its row is committed and its attempt sent; a row the database
+"""Group commit of submits (service.api.jobs.submit): concurrent POSTs share commits and broker
+writes, each answered only once its row is committed and its attempt sent; a row the database
 refuses fails alone; Dispatcher.send_batch puts on the broker what send_attempt does."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import redis as redis_lib
 from sqlalchemy import text
 
 from service.api.app import create_app
-from service.api.dispatch import Dispatcher
-from service.api.settings import Settings
+from service.api.core.settings import Settings
+from service.api.scheduling.dispatch import Dispatcher
 from tests.api.support import Api, Uvicorn, closed_url
 from worker.message import JobMessage
 

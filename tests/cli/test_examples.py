@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, Tag
 
-from service.api.schemas import JobSpec
+from service.api.jobs.schemas import JobSpec
 from service.local.demo import demo_spec
 from trainer.config import TrainConfig
 

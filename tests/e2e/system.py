@@ -194,7 +194,7 @@ def build_system(
     """Stores and settings of one system under ``root``: the demo corpus in the data root,
     two fresh Redis databases (events, broker; or ``redis_urls``), a migrated database.
     Processes come later."""
-    from service.api.migrate import upgrade
+    from service.api.core.migrate import upgrade
     from trainer.prepare import prepare_demo
 
     data_root = root / "data"
@@ -223,9 +223,9 @@ def build_system(
 
 def create_token(database_url: str, owner: str) -> str:
     """A real API token, made the way `trainq token create` makes one."""
-    from service.api.auth import create_token as create
-    from service.api.db import make_engine, make_sessionmaker
-    from service.api.settings import Settings
+    from service.api.core.auth import create_token as create
+    from service.api.core.db import make_engine, make_sessionmaker
+    from service.api.core.settings import Settings
 
     engine = make_engine(Settings(database_url=database_url))
     try:

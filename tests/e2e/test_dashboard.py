@@ -250,9 +250,9 @@ def test_long_history_is_downsampled(api: Api, dash_system: System, browser_page
 
 
 def test_auth_on_token_entered_once(dash_browser: Any, dash_system: System, pg_url: str) -> None:
-    from service.api.auth import create_token
-    from service.api.db import make_engine, make_sessionmaker
-    from service.api.settings import Settings
+    from service.api.core.auth import create_token
+    from service.api.core.db import make_engine, make_sessionmaker
+    from service.api.core.settings import Settings
 
     secured = dash_system.start_api(auth=True)
     engine = make_engine(Settings(database_url=pg_url))

@@ -2,7 +2,7 @@
 
 A system of its own (the fast settings of conftest.py, and a 10 s gang timeout) with two
 Celery workers of one slot serving QUEUE, so a job of 2 nodes runs one node on each, and a
-job of 3 nodes is never admitted (service.api.admit places a gang whole or not at all); a
+job of 3 nodes is never admitted (service.api.scheduling.admit places a gang whole or not at all); a
 gang placed on a worker that takes nothing (stopped) times out and is requeued. Each node's
 torchrun runs 1 rank (gloo, CPU, loopback rendezvous); what the tests assert is read through
 the API, the job's event stream and the process table.

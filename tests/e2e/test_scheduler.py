@@ -1,4 +1,4 @@
-"""Admission end to end (service.api.admit): the API process admits, three real `trainq
+"""Admission end to end (service.api.scheduling.admit): the API process admits, three real `trainq
 worker` processes of one slot each run what it places.
 
 The workers serve overlapping queues, so one system gives each test the shape it needs:
@@ -80,9 +80,9 @@ class Sched:
     def token(self, owner: str, **limits: int) -> str:
         token = create_token(self.url, owner)
         if limits:
-            from service.api.db import make_engine, make_sessionmaker
-            from service.api.limits import set_limits
-            from service.api.settings import Settings
+            from service.api.core.db import make_engine, make_sessionmaker
+            from service.api.core.settings import Settings
+            from service.api.scheduling.limits import set_limits
 
             engine = make_engine(Settings(database_url=self.url))
             try:

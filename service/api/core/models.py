@@ -1,0 +1,261 @@
+"""The SQL store: jobs, their attempts, metrics (a row per reported step), logs, API tokens.
+
+Alembic (``migrations/``) owns the schema; these models are what it is compared against.
+Job ids are time-ordered hex, so ``ORDER BY id DESC`` is newest first and a keyset cursor is
+just the last id seen. Times are UTC; SQLite hands them back naive, the schemas add the zone.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "ACTIVE_ATTEMPT",
+    "ATTEMPTS",
+    "DATASETS",
+    "DATASET_STATUSES",
+    "JOBS",
+    "LOGS",
+    "METRICS",
+    "OWNER_LIMITS",
+    "TERMINAL",
+    "ApiToken",
+    "Attempt",
+    "Base",
+    "Dataset",
+    "Job",
+    "LogChunk",
+    "Metric",
+    "OwnerLimit",
+    "new_job_id",
+    "utcnow",
+]
+
+# Constraint names are part of the schema: with a convention, migrations can drop them by
+# name on every backend instead of relying on what each database would invent.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JOB_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+ATTEMPT_STATUSES = ("dispatched", "running", "exited", "lost")
+ACTIVE_ATTEMPT = frozenset({"dispatched", "running"})
+
+# BigInteger ids on PostgreSQL, but SQLite only autoincrements an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_job_id() -> str:
+    """12 hex digits of milliseconds, then 8 random: sorts by creation, unguessable enough."""
+    return f"{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(200))
+    queue: Mapped[str] = mapped_column(String(64))
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON)
+    nodes: Mapped[int] = mapped_column(Integer)
+    procs_per_node: Mapped[int] = mapped_column(Integer)
+    max_runtime_s: Mapped[int | None] = mapped_column(Integer)
+    retries: Mapped[int] = mapped_column(Integer)
+    train: Mapped[dict[str, Any]] = mapped_column(JSON)  # TrainConfig, normalised
+    spec_hash: Mapped[str] = mapped_column(String(64))  # what an idempotency key compares
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(32))
+    message: Mapped[str | None] = mapped_column(Text)
+    attempt: Mapped[int] = mapped_column(Integer)  # the current attempt's number
+    retries_used: Mapped[int] = mapped_column(Integer, default=0)
+    # Scheduling (service.api.scheduling.admit): higher first; held back until not_before (a gang's
+    # backoff); preempted_at: when the admitter last asked it to yield its capacity.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    not_before: Mapped[datetime | None]
+    preempted_at: Mapped[datetime | None]
+
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+
+    # The latest metric point, kept on the row so GET /v1/jobs/{id} is one lookup.
+    metric_attempt: Mapped[int | None] = mapped_column(Integer)
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    last_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key"),
+        Index("ix_jobs_owner_id", "owner", "id"),
+        Index("ix_jobs_owner_status_id", "owner", "status", "id"),
+        Index("ix_jobs_status_id", "status", "id"),
+        Index("ix_jobs_queue_status_id", "queue", "status", "id"),
+        Index("ix_jobs_name_id", "name", "id"),
+    )
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    free: Mapped[bool] = mapped_column(Boolean, default=False)  # a preemption's retry
+    host: Mapped[str | None] = mapped_column(String(255))
+    worker: Mapped[str | None] = mapped_column(String(255))
+    pid: Mapped[int | None] = mapped_column(Integer)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str | None] = mapped_column(String(32))
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    sent_at: Mapped[datetime | None]  # null: committed but not yet handed to Celery
+    started_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+    hb_missing_since: Mapped[datetime | None]
+    # Multi-node: the nodes that reported their exit so far, "n" -> {exit_code, reason}.
+    node_exits: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The worker chosen for each node by the admitter (null: waiting for admission).
+    placement: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "number"),
+        Index("ix_attempts_status_sent_at", "status", "sent_at"),
+    )
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Float)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+    # A resumed attempt reports steps again; the unique key makes a replay a no-op.
+    # The second serves the downsampled history, which reads in step order.
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "step"),
+        Index("ix_metrics_job_id_step_attempt", "job_id", "step", "attempt"),
+    )
+
+
+class LogChunk(Base):
+    __tablename__ = "logs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(BigInteger)  # the worker's event seq: replays collide
+    ts: Mapped[float] = mapped_column(Float)
+    lines: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "seq"),
+        Index("ix_logs_job_id_id", "job_id", "id"),
+    )
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # The owner of the jobs a token submits; tokens may share a name (rotation keeps jobs).
+    name: Mapped[str] = mapped_column(String(128))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class OwnerLimit(Base):
+    """What an admin allows one owner (a token's name), set with ``trainq token limits``;
+    a null column: the service's setting applies."""
+
+    __tablename__ = "owner_limits"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    max_priority: Mapped[int | None] = mapped_column(Integer)
+    max_running: Mapped[int | None] = mapped_column(Integer)  # slots (GPUs on GPU queues)
+    max_queued: Mapped[int | None] = mapped_column(Integer)
+    submits_per_minute: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[datetime]
+
+
+DATASET_STATUSES = ("uploading", "preparing", "ready", "failed")
+
+
+class Dataset(Base):
+    """An uploaded corpus (service.api.datasets.service): its shards live in ``path``, relative to
+    the data root; the counts are known once it is ``ready``."""
+
+    __tablename__ = "datasets"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    format: Mapped[str] = mapped_column(String(8))  # text, jsonl or bin
+    tokenizer: Mapped[str] = mapped_column(String(1024))  # "byte" or a path under the data root
+    path: Mapped[str] = mapped_column(String(1024))
+    bytes: Mapped[int] = mapped_column(BigInteger)  # uploaded so far, then the upload's size
+    documents: Mapped[int | None] = mapped_column(BigInteger)
+    train_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    val_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    vocab_size: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]  # the uploading/preparing process's heartbeat
+    ready_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        UniqueConstraint("owner", "name"),
+        Index("ix_datasets_status_updated_at", "status", "updated_at"),
+    )
+
+
+# The tables, typed as such, for Core statements on the hot paths.
+JOBS = cast(Table, Job.__table__)
+ATTEMPTS = cast(Table, Attempt.__table__)
+METRICS = cast(Table, Metric.__table__)
+LOGS = cast(Table, LogChunk.__table__)
+DATASETS = cast(Table, Dataset.__table__)
+OWNER_LIMITS = cast(Table, OwnerLimit.__table__)

@@ -1,0 +1,289 @@
+"""Datasets: upload (streamed), list, get, delete. See service.api.datasets.service for the
+model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path as FsPath
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request, Response
+from sqlalchemy import delete
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from service.api.core.auth import Principal
+from service.api.core.deps import PrincipalDep, Services, ServicesDep
+from service.api.core.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, TrainqError
+from service.api.core.models import DATASETS
+from service.api.core.responses import errors
+from service.api.datasets import service as datasets
+from service.api.datasets.service import ACTIVE, DatasetList, DatasetOut, Format
+from service.api.datasets.upload import Refused, UploadSink, make_check
+from service.api.datasets.work import DatasetWork
+
+__all__ = ["UPLOAD_PATH", "router"]
+
+router = APIRouter(tags=["datasets"])
+
+UPLOAD_PATH = "/v1/datasets"
+# Bytes gathered from the connection before one write (and check) on a worker thread.
+FLUSH_BYTES = 1 << 20
+
+DatasetName = Annotated[str, Path(min_length=1, max_length=64)]
+OwnerQuery = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=128,
+        description="an admin token's view of another owner's dataset (default: your own)",
+    ),
+]
+
+_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "the corpus: UTF-8 text, JSON Lines with a text field per line, or "
+        "llm.c shards back to back (`curl --data-binary @corpus.txt`)",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+def _json(model: Any, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _owner_text(owner: str | None) -> None:
+    if owner is not None and "\x00" in owner:
+        raise InvalidInput.at(["query", "owner"], "must not contain NUL (U+0000) characters")
+
+
+def _owner(principal: Principal, owner: str | None, name: str) -> str:
+    """Whose dataset ``name`` is meant: your own, or (an admin) the owner named."""
+    _owner_text(owner)
+    if owner is None or owner == principal.name:
+        return principal.name
+    if not principal.admin:
+        raise NotFound(f"dataset {name} not found")
+    return owner
+
+
+def _over(what: str, limit: int, setting: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"{what}, over the limit of {limit} bytes ({setting})")
+
+
+@router.post(
+    UPLOAD_PATH,
+    status_code=202,
+    response_model=DatasetOut,
+    responses={
+        **errors(401, 409),
+        408: {
+            "description": "the upload's body stalled (TRAINQ_DATASET_UPLOAD_IDLE_S)",
+            "model": errors(401)[401]["model"],
+        },
+    },
+    openapi_extra=_BODY,
+)
+async def upload_dataset(
+    request: Request,
+    services: ServicesDep,
+    principal: PrincipalDep,
+    name: Annotated[str, Query(min_length=1, max_length=64, description="unique per owner")],
+    format: Annotated[Format, Query(description="text, jsonl or bin")] = "text",
+    tokenizer: Annotated[
+        str,
+        Query(
+            min_length=1,
+            max_length=1024,
+            description="byte, or a Hugging Face tokenizer.json (or its folder) under the"
+            " data root",
+        ),
+    ] = "byte",
+    vocab_size: Annotated[
+        int | None,
+        Query(ge=2, le=65536, description="bin only: the shards' vocab (byte: 256)"),
+    ] = None,
+    val_fraction: Annotated[
+        float, Query(ge=0, lt=1, description="the last share of the tokens, for validation")
+    ] = 0.1,
+) -> Response:
+    """Upload a corpus (the body, streamed to disk and checked as it comes); 202 with the
+    dataset, ``preparing``: poll it until ``ready`` (or ``failed``, with a reason). A bad
+    corpus is a 422 naming what is wrong (the byte offset, the line, the shard); over a size
+    limit, 413 naming it; nothing of a refused upload is kept."""
+    settings = services.settings
+    data_root = FsPath(settings.data_root)
+    datasets.check_name(name, ["query", "name"])
+    stored, tok_file = await run_in_threadpool(datasets.resolve_tokenizer, data_root, tokenizer)
+    if format != "bin" and vocab_size is not None:
+        raise InvalidInput.at(["query", "vocab_size"], "vocab_size goes with format bin only")
+    if format == "bin" and vocab_size is None and tok_file is not None:
+        raise InvalidInput.at(
+            ["query", "vocab_size"], "format bin with a Hugging Face tokenizer needs vocab_size"
+        )
+    vocab = vocab_size or 256
+    limit = settings.dataset_max_upload_bytes
+    declared = request.headers.get("content-length")
+    size = int(declared) if declared and declared.isdigit() else 0
+    if size > limit:
+        raise _over(f"the upload is {size} bytes", limit, "TRAINQ_DATASET_MAX_UPLOAD_BYTES")
+    owner_limit = settings.dataset_max_owner_bytes
+    row, used = await run_in_threadpool(
+        lambda: datasets.begin_upload(
+            services.sessions,
+            data_root,
+            owner=principal.name,
+            name=name,
+            fmt=format,
+            tokenizer=stored,
+            declared=size,
+            owner_limit=owner_limit,
+        )
+    )
+    work: DatasetWork = request.app.state.datasets
+    dataset_id = row["id"]
+    upload, _ = datasets.work_paths(data_root, dataset_id)
+    work.track_upload(dataset_id)
+    sink: UploadSink | None = None
+    writing: asyncio.Future[None] | None = None
+    try:
+        await work.warm(row, tok_file, vocab, val_fraction)
+        sink = await run_in_threadpool(UploadSink, upload, make_check(format, vocab))
+        # One buffer written (and checked) on a worker thread while the next one arrives.
+        buf, received = bytearray(), 0
+        async for chunk in _idle_bounded(request, settings.dataset_upload_idle_s):
+            buf += chunk
+            received += len(chunk)
+            if received > limit:
+                raise _over(
+                    f"the upload passed {limit} bytes", limit, "TRAINQ_DATASET_MAX_UPLOAD_BYTES"
+                )
+            if used + received > owner_limit:
+                raise _over(
+                    f"your datasets would hold more than {owner_limit} bytes",
+                    owner_limit,
+                    "TRAINQ_DATASET_MAX_OWNER_BYTES",
+                )
+            if len(buf) >= FLUSH_BYTES:
+                if writing is not None:
+                    await writing
+                data, buf = bytes(buf), bytearray()
+                writing = asyncio.ensure_future(run_in_threadpool(sink.write, data))
+                work.uploading[dataset_id] = received
+        if writing is not None:
+            await writing
+        if buf:
+            await run_in_threadpool(sink.write, bytes(buf))
+        documents = await run_in_threadpool(sink.finish)
+    except BaseException as exc:
+        if writing is not None:  # the thread finishes its write before the file goes
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(writing)
+        await work.cool(dataset_id)
+        await run_in_threadpool(_discard, services, sink, upload, dataset_id)
+        if isinstance(exc, Refused):
+            raise InvalidInput.at(["body"], f"{format} upload: {exc}") from None
+        if isinstance(exc, ClientDisconnect):
+            return Response(status_code=400)  # nobody is listening
+        raise
+    finally:
+        work.untrack_upload(dataset_id)
+    values = {"status": "preparing", "bytes": sink.received, "documents": documents}
+    if not await run_in_threadpool(
+        lambda: datasets.set_status(services.sessions, dataset_id, "uploading", **values)
+    ):
+        await work.cool(dataset_id)
+        await run_in_threadpool(datasets.remove_work, data_root, dataset_id)
+        raise Conflict(f"dataset {name} was failed while it uploaded (see its reason)")
+    row.update(values)
+    work.start_prepare(row, tok_file, vocab, val_fraction)
+    return _json(datasets.dataset_out(row), 202)
+
+
+class UploadIdle(TrainqError):
+    status_code = 408
+
+
+async def _idle_bounded(request: Request, idle_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks; an upload that sends nothing for ``idle_s`` (a slow client
+    holding a row and a warm preparation child) ends with a 408."""
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UploadIdle(
+                f"the upload sent nothing for {idle_s:g} s (TRAINQ_DATASET_UPLOAD_IDLE_S)"
+            ) from None
+        yield chunk
+
+
+def _discard(services: Services, sink: UploadSink | None, upload: FsPath, dataset_id: str) -> None:
+    """A refused or broken upload leaves nothing: no file, no row."""
+    if sink is not None:
+        sink.abort()
+    upload.unlink(missing_ok=True)
+    datasets.forget(services.sessions, dataset_id)
+
+
+@router.get("/v1/datasets", response_model=DatasetList, responses=errors(401))
+def list_datasets(
+    services: ServicesDep,
+    principal: PrincipalDep,
+    owner: Annotated[
+        str | None, Query(min_length=1, max_length=128, description="admin: one owner's only")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> Response:
+    """Your datasets, newest first (an admin token: everyone's)."""
+    _owner_text(owner)
+    with services.reader.connect() as conn:
+        rows = datasets.list_rows(conn, principal, owner, limit)
+    return _json(DatasetList(items=[datasets.dataset_out(r) for r in rows]))
+
+
+@router.get("/v1/datasets/{name}", response_model=DatasetOut, responses=errors(401, 404))
+def get_dataset(
+    name: DatasetName, services: ServicesDep, principal: PrincipalDep, owner: OwnerQuery = None
+) -> Response:
+    """One dataset: status, reason, counts (documents, train/val tokens, vocab), folder."""
+    datasets.check_name(name, ["path", "name"])
+    with services.reader.connect() as conn:
+        row = datasets.get_row(conn, _owner(principal, owner, name), name)
+    if row is None:
+        raise NotFound(f"dataset {name} not found")
+    return _json(datasets.dataset_out(row))
+
+
+@router.delete(
+    "/v1/datasets/{name}", status_code=204, responses=errors(401, 404, 409), response_class=Response
+)
+def delete_dataset(
+    name: DatasetName, services: ServicesDep, principal: PrincipalDep, owner: OwnerQuery = None
+) -> Response:
+    """Delete a dataset and its folder; 409 while it uploads or prepares, or while a queued
+    or running job reads it."""
+    datasets.check_name(name, ["path", "name"])
+    who = _owner(principal, owner, name)
+    with services.sessions() as session, session.begin():
+        row = datasets.get_row(session, who, name)
+        if row is None:
+            raise NotFound(f"dataset {name} not found")
+        if row["status"] in ACTIVE:
+            raise Conflict(f"dataset {name} is {row['status']}; delete it once it is done")
+        using = datasets.jobs_using(session, row["path"])
+        if using:
+            raise Conflict(
+                f"dataset {name} is used by job(s) {', '.join(using)} (queued or running);"
+                " cancel them or wait for them to end"
+            )
+        session.execute(delete(DATASETS).where(DATASETS.c.id == row["id"]))
+    shutil.rmtree(FsPath(services.settings.data_root) / row["path"], ignore_errors=True)
+    return Response(status_code=204)

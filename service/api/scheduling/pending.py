@@ -1,0 +1,65 @@
+"""What the admitter and the rest of the server tell each other outside SQL: the pending
+reasons a pass wrote (``{prefix}:pending``, read for ``GET /v1/jobs/{id}``), and the queued
+jobs cancelled since its last pass (``{prefix}:admit:gone``, so it forgets them at once)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from trainer.events import Keys
+
+__all__ = ["apending_reason", "gone_key", "note_cancelled", "pending_reason"]
+
+log = logging.getLogger(__name__)
+
+
+def gone_key(prefix: str) -> str:
+    """The set of jobs cancelled while queued since the admitter's last pass."""
+    return f"{prefix}:admit:gone"
+
+
+def note_cancelled(redis: Any, prefix: str, job_ids: Iterable[str]) -> None:
+    """Tell the admitter these queued jobs wait no more (best effort: its periodic full
+    read finds them anyway, and it never places a cancelled job: placing is a CAS)."""
+    ids = list(job_ids)
+    if ids:
+        try:
+            redis.sadd(gone_key(prefix), *ids)
+        except Exception as exc:
+            log.debug("admitter not told of cancelled jobs: %s", exc)
+
+
+def pending_reason(redis: Any, keys: Keys, job_id: str, queue: str) -> str | None:
+    """The admitter's last word on a queued job (None: it has not passed since)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(f"{keys.prefix}:pending", job_id)
+    pipe.hget(f"{keys.prefix}:pending:queues", queue)
+    why, summary = pipe.execute()
+    return _reason_text(why, summary, queue)
+
+
+async def apending_reason(redis: Any, keys: Keys, job_id: str, queue: str) -> str | None:
+    """``pending_reason`` on the event loop (a ``redis.asyncio`` client)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(f"{keys.prefix}:pending", job_id)
+    pipe.hget(f"{keys.prefix}:pending:queues", queue)
+    why, summary = await pipe.execute()
+    return _reason_text(why, summary, queue)
+
+
+def _reason_text(why: Any, summary: Any, queue: str) -> str | None:
+    if why is not None:
+        return str(why.decode() if isinstance(why, bytes) else why)
+    if summary is None:
+        return None
+    try:
+        s = json.loads(summary)
+        return (
+            f"beyond position {int(s['detailed'])} of {int(s['queued'])} queued in queue"
+            f" {queue}: waiting for the jobs ahead of it in admission order"
+        )
+    except (ValueError, KeyError, TypeError):
+        return None

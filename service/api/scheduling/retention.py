@@ -1,0 +1,200 @@
+"""Retention: deleting finished jobs, one by ``DELETE /v1/jobs/{id}`` or old ones in the
+background (``TRAINQ_RETENTION_DAYS``; 0 keeps them forever).
+
+A job is deleted with its attempts, metrics and logs in one transaction per batch of ids.
+The foreign keys cascade (``ON DELETE CASCADE`` in the schema, and ``service.api.core.db`` turns
+SQLite's foreign keys on), but the children are deleted explicitly all the same, so a
+connection made without that pragma cannot leave orphans. Only terminal jobs are deleted:
+the status is checked again on the locked rows, whatever the caller checked before. An event
+of a deleted job that the ingestor is applying meanwhile fails its foreign key and is then
+skipped as a job the store does not have. Then, best effort (the rows are the record): the
+job's Redis stream and cancel flag,
+and with ``TRAINQ_RETENTION_REMOVE_RUNS`` its run folder, never following a link out of the
+runs root.
+
+The background pass runs on one replica at a time (the reconciler's Redis lock with a token,
+released only by its holder) and deletes at most ``PASS_MAX`` jobs, the longest ended
+first; while more are due the next pass follows after ``BACKLOG_PAUSE_S``, not a full interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.api.core.models import ATTEMPTS, JOBS, LOGS, METRICS, TERMINAL, utcnow
+from service.api.core.settings import Settings
+from service.api.scheduling.passlock import one_pass
+from trainer.events import Keys
+
+__all__ = ["BATCH", "PASS_MAX", "Retention", "delete_jobs", "remove_run_dir"]
+
+log = logging.getLogger(__name__)
+
+BATCH = 500  # job ids per statement (and per transaction)
+PASS_MAX = 5000  # jobs one background pass deletes at most
+BACKLOG_PAUSE_S = 1.0  # between passes while more jobs are due
+LOCK_TTL_S = 600  # a pass is bounded; a replica that died holding the lock frees it by then
+
+_JOB_ID = re.compile(r"[0-9a-f]{1,32}")
+_TERMINAL = sorted(TERMINAL)
+
+
+@contextmanager
+def _begin(db: sessionmaker[Session] | Engine) -> Iterator[Any]:
+    """One transaction on a sessionmaker's session or an engine's connection."""
+    if isinstance(db, Engine):
+        with db.begin() as conn:
+            yield conn
+    else:
+        with db() as session, session.begin():
+            yield session
+
+
+def delete_jobs(
+    db: sessionmaker[Session] | Engine,
+    job_ids: Iterable[str],
+    runs_root: Path,
+    remove_runs: bool,
+    *,
+    redis: Any = None,
+    keys: Keys | None = None,
+) -> int:
+    """Delete the terminal ones of ``job_ids`` with their attempts, metrics and logs; how
+    many were deleted (a job that is not terminal, or not there, is left alone). With ``redis``
+    and ``keys``, their Redis stream and cancel flag go too; with ``remove_runs``, their run
+    folders under ``runs_root``."""
+    wanted = sorted({j for j in job_ids if _JOB_ID.fullmatch(j)})
+    deleted: list[str] = []
+    for start in range(0, len(wanted), BATCH):
+        batch = wanted[start : start + BATCH]
+        with _begin(db) as tx:
+            # Locked first (PostgreSQL; SQLite has one writer anyway): a metric or log being
+            # inserted for one of these jobs waits, fails its foreign key, and is skipped
+            # when the ingestor applies its batch again event by event.
+            ids = list(
+                tx.execute(
+                    select(JOBS.c.id)
+                    .where(JOBS.c.id.in_(batch), JOBS.c.status.in_(_TERMINAL))
+                    .with_for_update()
+                ).scalars()
+            )
+            if not ids:
+                continue
+            for child in (METRICS, LOGS, ATTEMPTS):
+                tx.execute(delete(child).where(child.c.job_id.in_(ids)))
+            tx.execute(delete(JOBS).where(JOBS.c.id.in_(ids), JOBS.c.status.in_(_TERMINAL)))
+        deleted += ids
+    if deleted and redis is not None and keys is not None:
+        _forget_streams(redis, keys, deleted)
+    if remove_runs:
+        for job_id in deleted:
+            remove_run_dir(runs_root, job_id)
+    return len(deleted)
+
+
+def _forget_streams(redis: Any, keys: Keys, job_ids: list[str]) -> None:
+    try:
+        for start in range(0, len(job_ids), BATCH):
+            pipe = redis.pipeline(transaction=False)
+            for job_id in job_ids[start : start + BATCH]:
+                pipe.delete(keys.job(job_id), keys.cancel(job_id))
+            pipe.execute()
+    except Exception as exc:  # redis.RedisError, OSError: the streams are capped anyway
+        log.warning(
+            "retention: could not delete the Redis streams of %d job(s): %s", len(job_ids), exc
+        )
+
+
+def remove_run_dir(runs_root: Path, job_id: str) -> bool:
+    """Remove ``runs_root/job_id``; True if something was removed. A symlink there is
+    unlinked, never followed; anything that does not resolve directly inside the runs root
+    is left alone. Errors are logged (the job's rows are already gone)."""
+    if not _JOB_ID.fullmatch(job_id):
+        return False
+    try:
+        root = Path(runs_root).resolve()
+        path = root / job_id
+        if path.is_symlink():
+            path.unlink()
+            return True
+        if not path.exists():
+            return False
+        if path.resolve().parent != root:
+            log.warning("retention: run folder of job %s is not inside the runs root", job_id)
+            return False
+        if path.is_dir():
+            shutil.rmtree(path)  # removes links inside, never what they point to
+        else:
+            path.unlink()
+        return True
+    except OSError as exc:
+        log.warning("retention: could not remove the run folder of job %s: %s", job_id, exc)
+        return False
+
+
+class Retention:
+    """The background pass: terminal jobs that ended more than ``retention_days`` ago."""
+
+    def __init__(
+        self, settings: Settings, sessions: sessionmaker[Session] | Engine, redis: Any
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.redis = redis
+        self.keys = Keys(settings.redis_prefix)
+        self.lock_key = f"{settings.redis_prefix}:retention:lock"
+
+    def due(self, limit: int = PASS_MAX) -> list[str]:
+        """Up to ``limit`` ids of the jobs past retention, the longest ended first."""
+        cutoff = utcnow() - timedelta(days=self.settings.retention_days)
+        # jobs.ended_at has no index: this reads the terminal jobs (ix_jobs_status_id) once
+        # per interval, which is cheap next to what the interval lets accumulate.
+        with _begin(self.sessions) as tx:
+            return list(
+                tx.execute(
+                    select(JOBS.c.id)
+                    .where(JOBS.c.status.in_(_TERMINAL), JOBS.c.ended_at < cutoff)
+                    .order_by(JOBS.c.ended_at, JOBS.c.id)
+                    .limit(limit)
+                ).scalars()
+            )
+
+    def run_once(self) -> int:
+        """One pass, if retention is on and no other replica holds the lock; jobs deleted."""
+        if self.settings.retention_days <= 0:
+            return 0
+        with one_pass(self.redis, self.lock_key, LOCK_TTL_S) as mine:
+            if not mine:
+                return 0
+            deleted = delete_jobs(
+                self.sessions,
+                self.due(),
+                self.settings.runs_root,
+                self.settings.retention_remove_runs,
+                redis=self.redis,
+                keys=self.keys,
+            )
+        if deleted:
+            days = self.settings.retention_days
+            log.info("retention: deleted %d job(s) that ended over %g day(s) ago", deleted, days)
+        return deleted
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            done = 0
+            try:
+                done = self.run_once()
+            except Exception as exc:  # an outage: the next pass tries again
+                log.warning("retention: %s", exc)
+            stop.wait(BACKLOG_PAUSE_S if done >= PASS_MAX else self.settings.retention_interval_s)

@@ -1,0 +1,85 @@
+"""What the service writes to Redis after a commit: status events and cancel flags.
+
+Status events go to the job's own stream (``Keys.job(id)``), where SSE followers read them
+next to the worker's metrics and logs. They are a notification, not the record: the SQL row
+is the truth, and a follower that misses one (the service died between commit and XADD)
+still learns the terminal status from the row (``service.api.streams.sse`` checks it on every ping).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from service.api.jobs.state import StatusChange
+from trainer.events import Event, Keys
+
+__all__ = ["CANCEL_TTL_S", "publish_status", "signal_cancel", "signal_stop", "status_event"]
+
+log = logging.getLogger(__name__)
+
+CANCEL_TTL_S = 7 * 24 * 3600
+
+
+def status_event(change: StatusChange) -> Event:
+    # seq only has to grow per job for a reader; the service has no per-job counter.
+    return Event(
+        kind="status",
+        job_id=change.job_id,
+        attempt=change.attempt,
+        source="service",
+        seq=time.time_ns() // 1000,
+        data={"status": change.status, "reason": change.reason, "message": change.message},
+    )
+
+
+def publish_status(
+    redis: Any, keys: Keys, changes: Iterable[StatusChange], *, maxlen: int = 10_000
+) -> bool:
+    """XADD each change to its job's stream; False (logged) when Redis is unreachable."""
+    changes = list(changes)
+    if not changes:
+        return True
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for change in changes:
+            pipe.xadd(
+                keys.job(change.job_id),
+                status_event(change).to_fields(),
+                maxlen=maxlen,
+                approximate=True,
+            )
+        pipe.execute()
+        return True
+    except Exception as exc:  # redis.RedisError, OSError: the row is the record anyway
+        log.warning("could not publish %d status event(s): %s", len(changes), exc)
+        return False
+
+
+def signal_cancel(redis: Any, keys: Keys, job_id: str) -> None:
+    """Set the cancel flag (the truth a worker polls) and publish the id (only a wake-up)."""
+    pipe = redis.pipeline(transaction=True)
+    pipe.set(keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+    pipe.publish(keys.cancel_channel(), job_id)
+    pipe.execute()
+
+
+def signal_stop(redis: Any, keys: Keys, attempts: Iterable[tuple[str, int]]) -> bool:
+    """Tell the nodes of ended multi-node attempts that still run to stop (the stop key is
+    the truth; the publish on the cancel channel only wakes them). False (logged) when Redis
+    is unreachable: a node left running then ends when its peers are gone."""
+    attempts = list(attempts)
+    if not attempts:
+        return True
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for job_id, number in attempts:
+            pipe.set(keys.stop(job_id, number), "1", ex=CANCEL_TTL_S)
+            pipe.publish(keys.cancel_channel(), job_id)
+        pipe.execute()
+        return True
+    except Exception as exc:  # redis.RedisError, OSError
+        log.warning("could not stop the nodes of %d attempt(s): %s", len(attempts), exc)
+        return False
