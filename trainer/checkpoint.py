@@ -79,17 +79,19 @@ def checkpoint_bytes(model: nn.Module, world_size: int, *, hf: bool = False) -> 
     return weights + moments + world_size * RNG_BYTES + export
 
 
-def _no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it was raised from) is a write refused for want of room:
-    torch.save reports ENOSPC as a RuntimeError of its own, so the text counts too."""
+def _no_space(exc: BaseException, root: Path) -> bool:
+    """Whether ``exc`` is a write refused for want of room. torch.save does not say so (its
+    zip writer reports ``iostream error`` or ``unexpected pos``), so a failed write on a
+    file system with almost nothing left counts too."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(seen) or "file write failed" in str(seen):
-            return True
         seen = seen.__cause__ or seen.__context__
-    return False
+    try:
+        return shutil.disk_usage(root).free < SPARE_BYTES
+    except OSError:
+        return False
 
 
 def _check_room(root: Path, need: int, step: int) -> None:
@@ -177,17 +179,20 @@ def save_checkpoint(
         _check_room(root, checkpoint_bytes(model, world_size, hf=hf), progress.step)
         make_dirs(tmp / "dcp" if strategy == "fsdp" else tmp)
     barrier()
+    full = False
     try:
         _write(tmp, progress, model, optimizer, scaler, strategy=strategy, rank=rank,
                world_size=world_size, model_config=model_config, lora=lora)  # fmt: skip
     except Exception as exc:
-        if not _no_space(exc):
+        if not _no_space(exc, root):
             raise
+        full = True  # raised below: the traceback, and torch's open file with it, goes here
+    if full:
         shutil.rmtree(tmp, ignore_errors=True)  # the room it took goes back at once
         raise DiskFull(
             f"no space left for checkpoint step {progress.step} (rank {rank}); its partial"
             " files were removed (checkpoint.keep and checkpoint.hf set how much a run keeps)"
-        ) from exc
+        )
     barrier()  # every rank's files are in tmp before it becomes a checkpoint
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
