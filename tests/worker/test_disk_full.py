@@ -47,7 +47,7 @@ def test_a_full_runs_root_fails_its_filler_and_spares_the_next_job(
         filler.unlink()
         shutil.rmtree(runs / greedy)
         after = new_job()
-        wire.send(message(after, procs=1, train=tiny(steps=6, checkpoint={"every": 3,
-                                                                            "keep": 1})))  # fmt: skip
+        small = tiny(steps=6, checkpoint={"every": 3, "keep": 1})
+        wire.send(message(after, procs=1, train=small))
         out = wire.exited(after, 1, timeout=120)
         assert out["exit_code"] == 0 and out["reason"] is None, out
