@@ -11,6 +11,10 @@ Layout under ``RUN_DIR/checkpoints/``::
 
 Every rank writes into ``tmp-step-N``; after a barrier rank 0 renames it to ``step-N``, writes
 DONE and prunes to the newest ``keep``. A crash at any point leaves the previous good one.
+Before it writes, rank 0 checks that the file system holds the checkpoint (its estimate from
+the model, ``checkpoint_bytes``, and the Hugging Face folder when one follows each save);
+short of room, or when a write fails for want of it (ENOSPC), the rank removes the temp folder
+and raises ``DiskFull``: the run ends with reason ``disk_full``, the disk keeps its room.
 Folders are made 0750 here; the files (ours, torch.save's, DCP's) are 0640 by the trainer's
 umask (trainer.files), and the rename keeps both.
 The batches are a pure function of the step (`trainer.data.BatchSampler`), so the data
@@ -19,6 +23,7 @@ position is just the next step.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
@@ -38,7 +43,9 @@ from trainer.parallelize import barrier, unwrap
 
 __all__ = [
     "CheckpointError",
+    "DiskFull",
     "Progress",
+    "checkpoint_bytes",
     "checkpoint_dirs",
     "latest_checkpoint",
     "load_checkpoint",
@@ -46,10 +53,55 @@ __all__ = [
 ]
 
 DONE = "DONE"
+# Room kept free beyond a checkpoint's estimate: the rank's own small writes (metrics,
+# exit.json, the logs) still fit once a checkpoint is refused.
+SPARE_BYTES = 4 * 2**20
+RNG_BYTES = 64 * 2**10  # one rank's rng-rank{r}.pt and its share of meta.json, at most
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be resumed from here (other strategy, other model)."""
+
+
+class DiskFull(Exception):
+    """The run folder's file system has no room for a checkpoint (reason ``disk_full``)."""
+
+
+def checkpoint_bytes(model: nn.Module, world_size: int, *, hf: bool = False) -> int:
+    """An upper estimate of one checkpoint's bytes: the weights as stored (a sharded
+    parameter counts whole), two AdamW moments of fp32 per trainable parameter, the ranks'
+    RNG files; with ``hf``, the Hugging Face folder's weights beside it (fp32)."""
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    moments = sum(2 * 4 * p.numel() for p in params if p.requires_grad)
+    export = sum(4 * p.numel() for p in params) if hf else 0
+    return weights + moments + world_size * RNG_BYTES + export
+
+
+def _no_space(exc: BaseException, root: Path) -> bool:
+    """Whether ``exc`` is a write refused for want of room. torch.save does not say so (its
+    zip writer reports ``iostream error`` or ``unexpected pos``), so a failed write on a
+    file system with almost nothing left counts too."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < SPARE_BYTES
+    except OSError:
+        return False
+
+
+def _check_room(root: Path, need: int, step: int) -> None:
+    free = shutil.disk_usage(root).free
+    if free < need + SPARE_BYTES:
+        raise DiskFull(
+            f"no room for checkpoint step {step}: it needs about {need / 2**20:.1f} MiB and"
+            f" {free / 2**20:.1f} MiB are free in the run folder (checkpoint.keep and"
+            " checkpoint.hf set how much a run keeps)"
+        )
 
 
 @dataclass(frozen=True)
@@ -109,18 +161,63 @@ def save_checkpoint(
     keep: int,
     model_config: dict[str, Any] | None = None,
     lora: dict[str, Any] | None = None,
+    hf: bool = False,
 ) -> Path:
     """Save collectively (every rank calls this at the same step); returns the final path.
 
     ``model_config`` (and ``lora``, the adapters' config) go into meta.json, so a checkpoint
-    alone says what model it holds (what `trainer.export` builds to read it)."""
+    alone says what model it holds (what `trainer.export` builds to read it). ``hf``: a
+    Hugging Face folder follows this save (its room is checked too). DiskFull when the file
+    system has no room for it (nothing of it is left behind)."""
     root = run_dir / "checkpoints"
     tmp = root / f"tmp-step-{progress.step}"
     final = root / f"step-{progress.step}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save left it half written
+        make_dirs(root)
+        # Rank 0 alone decides (it raises before the barrier; the peers end with it).
+        _check_room(root, checkpoint_bytes(model, world_size, hf=hf), progress.step)
         make_dirs(tmp / "dcp" if strategy == "fsdp" else tmp)
     barrier()
+    full = False
+    try:
+        _write(tmp, progress, model, optimizer, scaler, strategy=strategy, rank=rank,
+               world_size=world_size, model_config=model_config, lora=lora)  # fmt: skip
+    except Exception as exc:
+        if not _no_space(exc, root):
+            raise
+        full = True  # raised below: the traceback, and torch's open file with it, goes here
+    if full:
+        shutil.rmtree(tmp, ignore_errors=True)  # the room it took goes back at once
+        raise DiskFull(
+            f"no space left for checkpoint step {progress.step} (rank {rank}); its partial"
+            " files were removed (checkpoint.keep and checkpoint.hf set how much a run keeps)"
+        )
+    barrier()  # every rank's files are in tmp before it becomes a checkpoint
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
+        tmp.rename(final)
+        (final / DONE).write_text(f"{progress.step}\n")
+        for _, old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def _write(
+    tmp: Path,
+    progress: Progress,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    *,
+    strategy: str,
+    rank: int,
+    world_size: int,
+    model_config: dict[str, Any] | None,
+    lora: dict[str, Any] | None,
+) -> None:
+    """This rank's files of one checkpoint, into ``tmp``."""
     if strategy == "fsdp":
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "dcp")
@@ -142,15 +239,6 @@ def save_checkpoint(
         if lora is not None:
             meta["lora"] = lora
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    barrier()  # every rank's files are in tmp before it becomes a checkpoint
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
-        tmp.rename(final)
-        (final / DONE).write_text(f"{progress.step}\n")
-        for _, old in checkpoint_dirs(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
 
 
 def load_checkpoint(

@@ -75,6 +75,7 @@ Reason = Literal[
     "preempted",
     "cancelled",
     "no_worker",
+    "disk_full",
 ]
 REASONS: tuple[str, ...] = Reason.__args__  # type: ignore[attr-defined]
 
@@ -91,6 +92,7 @@ class ExitCode(IntEnum):
     DATA_ERROR = 66  # EX_NOINPUT: data folder missing, shard corrupt
     NAN_LOSS = 75
     OOM = 76
+    DISK_FULL = 77  # the run folder's file system has no room for a checkpoint
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from trainer.config import TrainConfig
 from trainer.plan_memory import Run, device_memory, host_offloaded, parameter_counts
 from trainer.plan_shape import model_shape
 
-__all__ = ["fits", "plan"]
+__all__ = ["RNG_BYTES", "disk", "fits", "plan", "run_disk"]
+
+RNG_BYTES = 64 * 2**10  # one rank's RNG file and share of meta.json (trainer.checkpoint's)
 
 
 # -- fits ------------------------------------------------------------------------------------
@@ -46,6 +48,34 @@ def fits(
     return True, f"{_gib(total)} per device of {on}; {extra}", smallest
 
 
+# -- disk ------------------------------------------------------------------------------------
+
+
+def disk(train: TrainConfig, total: int, trainable: int, world: int) -> dict[str, int]:
+    """Bytes a run folder holds (upper estimates, the trainer's own: trainer.checkpoint):
+    one checkpoint (fp32 weights, AdamW's two fp32 moments per trainable parameter, each
+    rank's RNG), one Hugging Face folder (fp32 weights), and the run at its worst: ``keep``
+    checkpoints (each with its HF folder when ``hf: every``) while the next is written, or
+    beside the final HF folder (``hf: final``)."""
+    ck = train.checkpoint
+    checkpoint = 4 * total + 8 * trainable + world * RNG_BYTES
+    hf = 4 * total
+    per_save = checkpoint + (hf if ck.hf == "every" else 0)
+    worst = ck.keep * per_save + max(checkpoint, hf if ck.hf == "final" else 0)
+    return {"checkpoint_bytes": checkpoint, "hf_bytes": hf, "run_bytes": worst}
+
+
+def run_disk(
+    train: TrainConfig, world: int, data_root: str | os.PathLike[str] | None = None
+) -> dict[str, int] | None:
+    """``disk`` of ``train`` on ``world`` ranks; None when the model's shape is unknown."""
+    shape, _ = model_shape(train, data_root)
+    if shape is None:
+        return None
+    counts = parameter_counts(shape, train)
+    return disk(train, counts.total, counts.trainable, world)
+
+
 # -- the plan --------------------------------------------------------------------------------
 
 
@@ -72,11 +102,13 @@ def plan(
         "tokens_per_step": micro * train.batch.grad_accum_steps * world,
         "parameters": {"total": None, "trainable": None},
         "memory": None,
+        "disk": None,
     }
     total = None
     if shape is not None:
         counts = parameter_counts(shape, train)
         out["parameters"] = {"total": counts.total, "trainable": counts.trainable}
+        out["disk"] = disk(train, counts.total, counts.trainable, world)
         if train.lora is not None and counts.trainable == 0:
             notes.append("lora.targets match no linear of the model: the trainer refuses it")
         fsdp = train.strategy == "fsdp"

@@ -25,6 +25,7 @@ from torch import nn
 
 from trainer.checkpoint import (
     CheckpointError,
+    DiskFull,
     Progress,
     latest_checkpoint,
     load_checkpoint,
@@ -172,6 +173,16 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
         print(f"trainer: oom: rank {env.rank}: {message}", file=sys.stderr, flush=True)
         write_exit_file(run_dir, "oom", message, rank=env.rank, step=None, exit_code=ExitCode.OOM)
         return ExitCode.OOM
+    except DiskFull as exc:
+        print(f"trainer: disk_full: rank {env.rank}: {exc}", file=sys.stderr, flush=True)
+        try:  # the room a refused checkpoint would have taken is there; if not, the exit
+            write_exit_file(  # code (77) still says disk_full through torchrun's report
+                run_dir, "disk_full", str(exc), rank=env.rank, step=at.step,
+                exit_code=ExitCode.DISK_FULL,
+            )  # fmt: skip
+        except OSError:
+            pass
+        return ExitCode.DISK_FULL
     except (ConfigError, CheckpointError, DataError):
         raise  # known failures: trainer.__main__ reports them (spec_error)
     except Exception as exc:
@@ -267,6 +278,7 @@ def _run(
             keep=cfg.checkpoint.keep,
             model_config=cfg.model.model_dump(),
             lora=cfg.lora.model_dump() if cfg.lora is not None else None,
+            hf=cfg.checkpoint.hf == "every",
         )
         if env.is_main and cfg.checkpoint.hf == "every" and not stop.requested:
             from trainer.publish import publish  # step-N/hf/; the other ranks wait for it

@@ -2,10 +2,13 @@
 on each request's reply stream (the wire: ``worker.genmessage``).
 
 ``GenerationServer`` runs its own threads (``TRAINQ_GENERATE_THREADS``, default 1) beside
-Celery's training slots, so a busy slot never blocks generation. Each thread is a consumer
-of the group ``generate`` on every queue's request stream: one worker takes each request.
-A request is acked as it is read (at most once: the API has its own deadline, so a request
-lost with a dying worker is a 504, never a hang).
+Celery's training slots, so a busy slot never blocks generation. One reader thread is a
+consumer of the group ``generate`` on every queue's request stream (one worker takes each
+request) and keeps up to ``TRAINQ_GENERATE_BACKLOG`` requests in a ``FairQueue``
+(``worker.genqueue``), from which the generation threads take them owner by owner in turn,
+so one tenant's burst does not hold up another's request. A request is acked as it is read
+(at most once: the API has its own deadline, so a request lost with a dying worker is a
+504, never a hang); one still in the backlog when the worker stops is answered 503.
 
 Models are loaded from the job's checkpoint (``trainer.export.load_model``: any strategy,
 LoRA merged) and kept in an LRU bounded by ``TRAINQ_GENERATE_CACHE_BYTES`` (weights and
@@ -42,6 +45,7 @@ from worker.genmessage import (
     reply_stream,
     request_stream,
 )
+from worker.genqueue import FairQueue
 
 __all__ = ["GenerateError", "GenerationServer", "ModelCache"]
 
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 1000
 REPLY_TTL_S = 120  # past the deadline, a reply nobody read expires
 CANCEL_POLL_S = 0.25  # how often a streamed request looks for its cancel key
+BACKLOG_FULL_WAIT_S = 0.05
 
 
 class GenerateError(Exception):
@@ -174,10 +179,15 @@ class GenerationServer:
             s.generate_device,
             s.generate_torch_threads,
         )
+        self.backlog: FairQueue[GenerateRequest] = FairQueue()
+        self.backlog_max = s.generate_backlog
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
+        reader = threading.Thread(target=self._read, name="generate-read", daemon=True)
+        reader.start()
+        self._threads.append(reader)
         for i in range(self.ctx.settings.generate_threads):
             t = threading.Thread(target=self._run, args=(i,), name=f"generate-{i}", daemon=True)
             t.start()
@@ -187,6 +197,9 @@ class GenerationServer:
         self._stop.set()
         for t in self._threads:
             t.join(BLOCK_MS / 1000 + 2)
+        for req in self.backlog.drain():  # taken but never started: answered, not dropped
+            self._send(reply_stream(req.id, self.prefix), req,
+                       error_event(503, "the worker is shutting down"))  # fmt: skip
         self.redis.close()
 
     def _groups(self) -> None:
@@ -199,15 +212,23 @@ class GenerationServer:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def _run(self, index: int) -> None:
-        consumer = f"{self.ctx.name}-{index}"
+    def _read(self) -> None:
+        """Take requests off the queues' streams into the backlog, up to its bound (what
+        is past it stays in the stream for this or another worker)."""
+        consumer = f"{self.ctx.name}-read"
         ready = False
         while not self._stop.is_set():
+            room = self.backlog_max - len(self.backlog)
+            if room <= 0:
+                self._stop.wait(BACKLOG_FULL_WAIT_S)
+                continue
             try:
                 if not ready:
                     self._groups()
                     ready = True
-                got = self.redis.xreadgroup(GROUP, consumer, self.streams, count=1, block=BLOCK_MS)
+                got = self.redis.xreadgroup(
+                    GROUP, consumer, self.streams, count=room, block=BLOCK_MS
+                )
             except Exception as exc:  # Redis away: try again shortly
                 log.warning("generation: reading requests failed: %s", exc)
                 ready = False
@@ -220,16 +241,31 @@ class GenerationServer:
                         self.redis.xdel(stream, entry_id)
                     except Exception as exc:
                         log.warning("generation: ack failed: %s", exc)
-                    self.serve(fields)
+                    try:
+                        req = GenerateRequest.from_entry(fields)
+                    except (ValidationError, ValueError, TypeError) as exc:
+                        self._refuse(fields, exc)
+                        continue
+                    self.backlog.put(req.owner, req)
+
+    def _run(self, index: int) -> None:
+        while not self._stop.is_set():
+            got = self.backlog.get(timeout=BLOCK_MS / 1000)
+            if got is not None:
+                self.answer(got[1])
 
     # ------------------------------------------------------------------------- one request
 
     def serve(self, fields: dict[Any, Any]) -> None:
+        """Answer one request entry as read from a stream."""
         try:
             req = GenerateRequest.from_entry(fields)
         except (ValidationError, ValueError, TypeError) as exc:
             self._refuse(fields, exc)
             return
+        self.answer(req)
+
+    def answer(self, req: GenerateRequest) -> None:
         reply = reply_stream(req.id, self.prefix)
         try:
             self._serve(req, reply)

@@ -93,6 +93,8 @@ class GenerateRequest(BaseModel):
 
     id: str = Field(pattern=REQUEST_ID)
     job_id: str = Field(pattern=r"^[0-9a-f]{1,32}$")
+    # A hash of the requesting owner (never the name): the worker serves owners in turn.
+    owner: str = Field("", pattern=r"^[0-9a-f]{0,64}$")
     step: int | None = Field(None, ge=0)  # None: the newest complete checkpoint
     prompt: str | None = Field(None, max_length=LIMITS.prompt_chars)
     prompt_ids: list[int] | None = Field(None, max_length=LIMITS.prompt_ids)

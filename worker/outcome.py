@@ -32,6 +32,7 @@ _CODE_REASON = {
     ExitCode.OOM: "oom",
     ExitCode.SPEC_ERROR: "spec_error",
     ExitCode.DATA_ERROR: "spec_error",
+    ExitCode.DISK_FULL: "disk_full",
 }
 # torchrun: "failed (exitcode: 75) local_rank: 1 ..." and the summary "exitcode  : 75 (pid: ..)"
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")

@@ -57,3 +57,6 @@ class WorkerSettings(BaseSettings):
     # torch's intra-op threads for generation (None: torch's default, one per core). On a
     # host whose cores the training ranks keep busy, 1 avoids threads spinning on each other.
     generate_torch_threads: int | None = Field(None, ge=1, le=256)
+    # Requests a worker takes off its queues' streams ahead of its generation threads, so
+    # that it can serve owners in turn (worker.genqueue) rather than in arrival order.
+    generate_backlog: int = Field(32, ge=1, le=1024)

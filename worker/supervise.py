@@ -17,6 +17,7 @@ decides the attempt from all of them (service.api.jobs.state).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -122,10 +123,14 @@ def write_run_config(run_dir: Path, train: dict[str, Any]) -> None:
     own, so one writer's rename can never take another's file from under it."""
     tmp = run_dir / f".config.json.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    set_mode(fd)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(train, indent=2) + "\n")
-    os.replace(tmp, run_dir / "config.json")
+    try:
+        set_mode(fd)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(train, indent=2) + "\n")
+        os.replace(tmp, run_dir / "config.json")
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file of ours
+        raise
 
 
 class _Attempt:
@@ -165,7 +170,21 @@ class _Attempt:
             self._leave_gang(early)
             return early
         run_dir = (self.s.runs_root / self.msg.job_id).resolve()
-        self._prepare(run_dir)
+        try:
+            self._prepare(run_dir)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # The runs root is full, and not by this job (it has not started): requeued
+            # without a retry spent (no_worker's backoff), never failed or lost for it.
+            early = Outcome(
+                None,
+                "no_worker",
+                f"worker {self.ctx.name} cannot prepare the run folder: its runs root is"
+                f" full ({os.strerror(exc.errno)}); requeued",
+            )
+            self._leave_gang(early)
+            return early
         self.cancel.start()
         try:
             endpoint = None

@@ -40,6 +40,7 @@ from service.api.core.settings import Settings
 from service.api.datasets import router as dataset_routes
 from service.api.datasets.work import DatasetWork
 from service.api.generation import router as generate
+from service.api.generation.inflight import InFlight
 from service.api.jobs import router as jobs
 from service.api.jobs.submit import GroupCommit
 from service.api.scheduling import router as workers
@@ -284,6 +285,7 @@ def build_services(settings: Settings) -> Services:
         tokens=TokenCache(reader.connect, settings.token_cache_s),
         keys=Keys(settings.redis_prefix),
         limits=SubmitLimits(settings, sync, settings.redis_prefix),
+        inflight=InFlight(settings, follow, settings.redis_prefix),
     )
 
 

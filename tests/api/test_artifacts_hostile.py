@@ -74,37 +74,56 @@ def test_generation_never_uses_a_checkpoint_that_is_a_link(
         assert got.status_code == 409 and "no complete checkpoint" in got.text, got.text
 
 
-def test_generations_in_flight_per_owner_are_bounded(
+def _in_flight(app: Any) -> int:
+    services = app.state.services
+    keys = services.redis.keys(f"{services.settings.redis_prefix}:gen:inflight:*")
+    return sum(int(services.redis.zcard(k)) for k in keys)
+
+
+def test_generations_in_flight_per_owner_are_bounded_across_replicas(
     api: Api, make_settings: Callable[..., Settings]
 ) -> None:
-    # No worker consumes the queue: each request waits out its deadline (0.2 s + grace).
-    with _app(make_settings, generate_max_per_owner=1, generate_timeout_s=0.2) as (
+    # Two API replicas (two apps sharing the store and Redis), a limit of 2. No worker
+    # consumes the queue: each request waits out its deadline (0.3 s + grace), then 504.
+    with _app(make_settings, generate_max_per_owner=2, generate_timeout_s=0.3) as (
         app,
         client,
         headers,
         _,
     ):
-        job = _job_with_checkpoint(client, headers, app.state.services.settings, api.queue)
-        _worker(app, api.queue)
-        body = {"model": job, "prompt": "a", "stream": True}
-        first: list[httpx.Response] = []
-        holder = threading.Thread(
-            target=lambda: first.append(client.post("/v1/completions", json=body, headers=headers))
-        )
-        holder.start()
-        deadline = time.time() + 10
-        while not app.state.services.generating and time.time() < deadline:
-            time.sleep(0.01)
-        second = client.post("/v1/completions", json=body, headers=headers)
-        assert second.status_code == 429, second.text
-        assert "TRAINQ_GENERATE_MAX_PER_OWNER" in second.json()["detail"]
-        assert "Retry-After" in second.headers
-        holder.join()
-        assert first[0].status_code == 504, first[0].text
-        assert app.state.services.generating == {}  # released when it ended
-        again = client.post(f"/v1/jobs/{job}/generate", json={"prompt": "a"}, headers=headers)
-        assert again.status_code == 504, again.text
-        assert app.state.services.generating == {}
+        replica = create_app(app.state.services.settings)
+        with TestClient(replica) as client2:
+            job = _job_with_checkpoint(client, headers, app.state.services.settings, api.queue)
+            _worker(app, api.queue)
+            body = {"model": job, "prompt": "a", "stream": True}
+            answers: list[httpx.Response] = []
+            holders = [
+                threading.Thread(
+                    target=lambda c=c: answers.append(
+                        c.post("/v1/completions", json=body, headers=headers)
+                    )
+                )
+                for c in (client, client2)
+            ]
+            for t in holders:
+                t.start()
+            deadline = time.time() + 10
+            while _in_flight(app) < 2 and time.time() < deadline:
+                time.sleep(0.01)
+            assert _in_flight(app) == 2, "one slot on each replica, counted in Redis"
+            # Each replica alone holds one: an in-process count would let this through.
+            third = client2.post("/v1/completions", json=body, headers=headers)
+            assert third.status_code == 429, third.text
+            assert "TRAINQ_GENERATE_MAX_PER_OWNER" in third.json()["detail"]
+            assert "Retry-After" in third.headers
+            for t in holders:
+                t.join()
+            assert [r.status_code for r in answers] == [504, 504], [r.text for r in answers]
+            assert _in_flight(app) == 0  # released when they ended (a 504 too)
+            again = client.post(f"/v1/jobs/{job}/generate", json={"prompt": "a"},
+                                headers=headers)  # fmt: skip
+            assert again.status_code == 504, again.text
+            assert _in_flight(app) == 0
 
 
 def test_a_stalled_upload_is_cut_with_408_and_leaves_nothing(

@@ -251,3 +251,33 @@ def test_the_plan_loads_no_torch() -> None:
         "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_a_run_that_cannot_fit_its_bound_is_refused_naming_keep_and_the_setting(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.plan import RNG_BYTES
+
+    d = 32
+    total = 2 * (12 * d * d + 13 * d) + 256 * d + 32 * d + 2 * d
+    small = _body(api, checkpoint={"every": 20, "keep": 2, "hf": "final"})
+    disk = _plan(api, small)["disk"]
+    checkpoint = 4 * total + 8 * total + RNG_BYTES  # weights, AdamW's moments, one rank's RNG
+    assert disk == {
+        "checkpoint_bytes": checkpoint,
+        "hf_bytes": 4 * total,
+        "run_bytes": 2 * checkpoint + checkpoint,  # two kept while the third is written
+    }
+    # The spec: every checkpoint kept (up to 1000) with its Hugging Face folder.
+    monkeypatch.setattr(api.services.settings, "runs_max_job_bytes", 50 * checkpoint)
+    greedy = _body(api, checkpoint={"every": 20, "keep": 1000, "hf": "every"})
+    for params in ({}, {"dry_run": "true"}):
+        r = api.client.post("/v1/jobs", params=params, json=greedy, headers=api.headers())
+        assert r.status_code == 422, r.text
+        [err] = r.json()["detail"]
+        assert err["loc"] == ["body", "train", "checkpoint", "keep"]
+        most = 49 * checkpoint // (checkpoint + 4 * total)  # what fits beside the one written
+        assert "TRAINQ_RUNS_MAX_JOB_BYTES" in err["msg"] and f"keep at most {most}" in err["msg"]
+    assert _my_jobs(api) == [] and _broker_len(api) == 0
+    ok = api.client.post("/v1/jobs", json=small, headers=api.headers())
+    assert ok.status_code == 201, ok.text

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.system import Api, System, create_token, wait_for
+from tests.e2e.system import Api, Proc, System, create_token, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,16 +40,25 @@ PROMPT = "A cold wind came from the "
 
 
 class Gen:
-    def __init__(self, system: System, api: Api, other: Api) -> None:
-        self.system, self.api, self.other = system, api, other
+    def __init__(self, system: System, api: Api, other: Api, worker: Proc) -> None:
+        self.system, self.api, self.other, self.worker = system, api, other, worker
         self.runs_root = Path(system.env["TRAINQ_RUNS_ROOT"])
 
-    def submit(self, name: str, queue: str = QUEUE) -> str:
+    def submit(self, name: str, queue: str = QUEUE, api: Api | None = None) -> str:
         body = {"name": name, "queue": queue, "procs_per_node": 1, "train": TRAIN}
-        with self.api.client() as c:
+        with (api or self.api).client() as c:
             r = c.post("/v1/jobs", json=body)
         assert r.status_code == 201, r.text
         return str(r.json()["id"])
+
+    def wait_succeeded(self, job_id: str, api: Api | None = None) -> None:
+        def done() -> bool:
+            with (api or self.api).client() as c:
+                status = c.get(f"/v1/jobs/{job_id}").json()["status"]
+            assert status in ("queued", "running", "succeeded"), status
+            return status == "succeeded"
+
+        wait_for(done, 120, f"the tiny training run {job_id}", every=0.3)
 
     def post(self, body: dict[str, Any], api: Api | None = None) -> httpx.Response:
         with (api or self.api).client() as c:
@@ -62,17 +71,10 @@ def gen(fast_system: System) -> Iterator[tuple[Gen, str]]:
     db = fast_system.env["TRAINQ_DATABASE_URL"]
     api.token = create_token(db, "gen-user")
     other = Api(api.url, api.proc, create_token(db, "gen-other"))
-    fast_system.start_worker(QUEUE, name="gen-worker")
-    g = Gen(fast_system, api, other)
+    worker = fast_system.start_worker(QUEUE, name="gen-worker")
+    g = Gen(fast_system, api, other, worker)
     job_id = g.submit("gen-tiny")
-
-    def done() -> bool:
-        with api.client() as c:
-            status = c.get(f"/v1/jobs/{job_id}").json()["status"]
-        assert status in ("queued", "running", "succeeded"), status
-        return status == "succeeded"
-
-    wait_for(done, 120, "the tiny training run", every=0.3)
+    g.wait_succeeded(job_id)
     yield g, job_id
 
 
@@ -272,3 +274,55 @@ def test_a_busy_training_slot_does_not_block_generation(gen: tuple[Gen, str]) ->
         assert r.status_code == 200, r.text
         assert c.get(f"/v1/jobs/{busy}").json()["status"] == "running", "still training"
         c.post(f"/v1/jobs/{busy}/cancel")
+
+
+def test_owners_take_turns_on_a_worker(gen: tuple[Gen, str]) -> None:
+    """Owner A's burst of long requests, then owner B's one short request: B's is served
+    next, not after all of A's (the worker used to serve in arrival order)."""
+    import os
+    import signal
+    import threading
+
+    import redis
+
+    from worker.genmessage import request_stream
+
+    g, job_a = gen
+    job_b = g.submit("gen-tiny-b", api=g.other)
+    g.wait_succeeded(job_b, g.other)
+    long = {"model": job_a, "prompt": PROMPT, "max_tokens": 40, "n": 16, "temperature": 1.0}
+    short = {"model": job_b, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    for body, api in ((long, g.api), (short, g.other)):  # both models loaded: no load time
+        assert g.post(body, api).status_code == 200
+    client = redis.Redis.from_url(g.system.redis_url)
+    stream = request_stream(QUEUE, g.system.prefix)
+    order: list[str] = []
+    codes: list[int] = []
+    lock = threading.Lock()
+
+    def ask(who: str, body: dict[str, Any], api: Api) -> None:
+        r = g.post(body, api)
+        with lock:
+            order.append(who)
+            codes.append(r.status_code)
+
+    threads: list[threading.Thread] = []
+    os.kill(g.worker.popen.pid, signal.SIGSTOP)  # every request waits in the stream first
+    try:
+        for i in range(6):
+            threads.append(threading.Thread(target=ask, args=("A", {**long, "seed": i}, g.api)))
+            threads[-1].start()
+        wait_for(lambda: client.xlen(stream) == 6, 30, "A's six requests in the stream")
+        threads.append(threading.Thread(target=ask, args=("B", short, g.other)))
+        threads[-1].start()
+        wait_for(lambda: client.xlen(stream) == 7, 30, "B's request behind them")
+    finally:
+        os.kill(g.worker.popen.pid, signal.SIGCONT)
+        client.close()
+    for t in threads:
+        t.join(60)
+    assert codes == [200] * 7, codes
+    # At most A's first (taken before B's was read) and one more by the relay's timing
+    # come before B; in arrival order B would be last.
+    assert order.index("B") <= 2, order
+    assert order[-3:] == ["A", "A", "A"], order

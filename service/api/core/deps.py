@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from service.api.core.auth import ANONYMOUS, Principal, TokenCache
 from service.api.core.db import AsyncReader
 from service.api.core.settings import Settings
+from service.api.generation.inflight import InFlight
 from service.api.jobs.submit import GroupCommit
 from service.api.scheduling.decide import live_entries
 from service.api.scheduling.dispatch import Dispatcher
@@ -45,9 +46,9 @@ class Services:
     submits: GroupCommit | None  # concurrent submits committed together (None on SQLite)
     tokens: TokenCache
     keys: Keys
+    inflight: InFlight  # generations in flight by owner, in Redis (service.api.generation)
     _workers: tuple[float, list[dict[str, Any]]] = (0.0, [])
     _workers_lock: threading.Lock = field(default_factory=threading.Lock)
-    generating: dict[str, int] = field(default_factory=dict)  # generations in flight by owner
     limits: SubmitLimits | None = None  # per-owner submit limits (service.api.scheduling.ratelimit)
 
     def live_workers(self, max_age_s: float = 1.0) -> list[dict[str, Any]]:

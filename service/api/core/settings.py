@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     redis_prefix: str = "trainq"
     data_root: Path = Path("data")
     runs_root: Path = Path("runs")
+    # The most one job's run folder may hold at worst (trainer.plan's disk estimate:
+    # checkpoint.keep checkpoints and their HF folders); above it a submit is a 422. 0: none.
+    runs_max_job_bytes: int = Field(512 * 1024**3, ge=0)
 
     # Anything but "off" keeps auth on, so a typo never opens the API.
     auth: str = "on"

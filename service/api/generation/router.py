@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.core.auth import Principal
 from service.api.core.deps import PrincipalDep, Services, ServicesDep
-from service.api.core.errors import InvalidInput, TooManyRequests, TrainqError
+from service.api.core.errors import InvalidInput, TrainqError
 from service.api.core.inputs import JobId, no_duplicate_keys
 from service.api.core.responses import errors
 from service.api.generation.service import (
@@ -113,7 +113,7 @@ async def _generate(
     body: GenerateBody,
     model: str,
 ) -> Response:
-    release = _admit(services, principal.name)
+    release = await services.inflight.take(principal.name)
     streaming = False
     try:
         target, request = await run_in_threadpool(prepare, services, principal, job_id, step, body)
@@ -140,34 +140,7 @@ async def _generate(
         return response
     finally:
         if not streaming:
-            release()
-
-
-def _admit(services: Services, owner: str) -> Callable[[], None]:
-    """Count one generation of ``owner`` in flight on this process, or refuse it (429):
-    each holds a worker's generation thread, so one tenant cannot take them all."""
-    inflight = services.generating
-    limit = services.settings.generate_max_per_owner
-    if inflight.get(owner, 0) >= limit:
-        raise TooManyRequests(
-            f"{owner!r} has {limit} generation requests in flight already"
-            " (TRAINQ_GENERATE_MAX_PER_OWNER); wait for one to end",
-            retry_after=5,
-        )
-    inflight[owner] = inflight.get(owner, 0) + 1
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            left = inflight.get(owner, 1) - 1
-            if left > 0:
-                inflight[owner] = left
-            else:
-                inflight.pop(owner, None)
-
-    return release
+            await release()
 
 
 def _choice(index: int, text: str, finish: str | None, ids: list[int]) -> dict[str, Any]:
@@ -186,7 +159,7 @@ async def _stream(
     model: str,
     start: dict[str, Any],
     include_usage: bool,
-    release: Callable[[], None],
+    release: Callable[[], Awaitable[None]],
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     head = {
@@ -214,5 +187,5 @@ async def _stream(
         yield sse_chunk({"error": {"message": exc.message, "type": type(exc).__name__,
                                    "code": exc.status_code}})  # fmt: skip
     finally:
-        release()
+        await release()
         await relay.close()

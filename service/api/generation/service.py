@@ -28,6 +28,8 @@ from service.api.core.auth import Principal
 from service.api.core.deps import Services
 from service.api.core.errors import Conflict, InvalidInput, NotFound, TrainqError, Unavailable
 from service.api.core.models import JOBS
+from service.api.generation.inflight import GRACE_S
+from service.api.scheduling.ratelimit import owner_hash
 from trainer.config import AnyModelConfig, ConfigError, resolve_data_path
 from trainer.tokenizer import BYTE, TokenizerError, dataset_tokenizer
 from worker.genmessage import (
@@ -49,7 +51,6 @@ __all__ = [
 
 MODEL_PATTERN = r"^[0-9a-f]{1,32}(:[0-9]{1,10})?$"
 REQUEST_STREAM_MAXLEN = 10_000
-GRACE_S = 2.0  # the API waits this much past the worker's deadline before its own 504
 
 TokenId = Annotated[int, Field(ge=0, lt=LIMITS.token_id)]
 PromptText = Annotated[str, StringConstraints(max_length=LIMITS.prompt_chars)]
@@ -197,6 +198,7 @@ def prepare(
     request = GenerateRequest(
         id=secrets.token_hex(16),
         job_id=job_id,
+        owner=owner_hash(principal.name),
         step=step,
         prompt=text,
         prompt_ids=ids,

@@ -22,7 +22,12 @@ from service.api.jobs import crud, job_json
 from service.api.jobs.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary, PlanOut
 from service.api.jobs.state import cancel_job
 from service.api.jobs.submit import submit_one
-from service.api.scheduling.limits import OwnerLimits, apply_runtime_rules, check_priority
+from service.api.scheduling.limits import (
+    OwnerLimits,
+    apply_runtime_rules,
+    check_priority,
+    check_run_disk,
+)
 from service.api.scheduling.pending import apending_reason, note_cancelled, pending_reason
 from service.api.scheduling.retention import delete_jobs
 from service.api.streams.notify import publish_status, signal_cancel
@@ -254,6 +259,10 @@ async def submit_job(
         data_root = services.settings.data_root
         spec = await run_in_threadpool(resolve_dataset, services.reader, data_root, principal, spec)
     spec = apply_runtime_rules(spec, services.settings)  # 422, or the queue's default deadline
+    if spec.train.model.family == "hf":  # its shape is read from its config.json
+        await run_in_threadpool(check_run_disk, spec, services.settings)
+    else:
+        check_run_disk(spec, services.settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
     own = await _owner_limits(services, principal)
     check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
     if dry_run:

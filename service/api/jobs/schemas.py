@@ -153,6 +153,18 @@ class PlanMemory(BaseModel):
     host_per_node: int
 
 
+class PlanDisk(BaseModel):
+    """Bytes of the run folder (upper estimates; trainer/plan.py's ``disk``)."""
+
+    checkpoint_bytes: int
+    hf_bytes: int
+    run_bytes: int = Field(
+        description="at worst: checkpoint.keep checkpoints (with their HF folders when"
+        " checkpoint.hf is every) while the next is written; refused above"
+        " TRAINQ_RUNS_MAX_JOB_BYTES"
+    )
+
+
 class PlanOut(BaseModel):
     """``POST /v1/jobs?dry_run=true``: what the spec would need, before anything runs."""
 
@@ -161,6 +173,7 @@ class PlanOut(BaseModel):
     tokens_per_step: int
     parameters: PlanParameters
     memory: PlanMemory | None = Field(None, description="null when the model is unknown")
+    disk: PlanDisk | None = Field(None, description="null when the model is unknown")
     fits: bool | None = Field(
         None, description="the device estimate against the queue's smallest device; null: unknown"
     )

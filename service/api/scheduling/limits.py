@@ -144,6 +144,35 @@ def apply_runtime_rules(spec: JobSpec, settings: Settings) -> JobSpec:
     return spec.model_copy(update={"max_runtime_s": int(default)})
 
 
+def check_run_disk(spec: JobSpec, settings: Settings) -> None:
+    """InvalidInput when the spec's run folder, at its worst (trainer.plan's ``run_disk``),
+    would hold more than ``TRAINQ_RUNS_MAX_JOB_BYTES``. A model whose shape is unknown here
+    passes (the trainer's free-space check before each checkpoint still holds)."""
+    from trainer.plan import run_disk  # arithmetic only; hf models read their config.json
+
+    bound = settings.runs_max_job_bytes
+    if not bound:
+        return
+    found = run_disk(spec.train, spec.nodes * spec.procs_per_node, settings.data_root)
+    if found is None or found["run_bytes"] <= bound:
+        return
+    ck = spec.train.checkpoint
+    per = found["checkpoint_bytes"] + (found["hf_bytes"] if ck.hf == "every" else 0)
+    most = max(0, (bound - found["checkpoint_bytes"]) // per) if per else 0
+    hint = f"keep at most {most}" if most >= 1 else "this model's checkpoints do not fit at all"
+    hf = " (each with its Hugging Face folder, checkpoint.hf: every)" if ck.hf == "every" else ""
+    raise InvalidInput.at(
+        ["body", "train", "checkpoint", "keep"],
+        f"checkpoint.keep={ck.keep} checkpoints of about {_mib(per)}{hf} need about"
+        f" {_mib(found['run_bytes'])} at worst, over the {_mib(bound)} a run may hold"
+        f" (TRAINQ_RUNS_MAX_JOB_BYTES={bound}); {hint}",
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def running_caps(
     conn: Session | Connection, settings: Settings
 ) -> tuple[int | None, dict[str, int]]:
