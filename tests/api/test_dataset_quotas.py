@@ -8,6 +8,7 @@ with PostgreSQL, Redis and the preparation children as in a deployment.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -27,6 +28,7 @@ from fastapi import FastAPI
 from service.api.app import create_app
 from service.api.core.settings import Settings
 from service.api.datasets.quota import folder_bytes, prepared_bound
+from service.api.datasets.slots import FairSlots
 from tests.api.support import Api, Uvicorn, make_tokens
 from tests.api.test_datasets import nothing_left, ready, upload, wait_done
 
@@ -291,3 +293,28 @@ def test_an_upload_past_its_total_deadline_is_408_and_leaves_nothing(
         assert time.monotonic() - started >= 1.0
         assert s.listed() == []
         assert _work_files(s.settings) == [] and prepare_children() == []
+
+
+def test_fair_slots_serve_owners_in_turn_and_a_cancelled_waiter_takes_nothing() -> None:
+    async def main() -> tuple[list[str], int]:
+        slots = FairSlots(1)
+        assert slots.try_take("a", share=1) and not slots.try_take("b", share=1)
+        order: list[str] = []
+
+        async def wait(owner: str, tag: str) -> None:
+            await slots.take(owner)
+            order.append(tag)
+            await asyncio.sleep(0)
+            slots.give(owner)
+
+        tags = [("a", "a1"), ("a", "a2"), ("c", "c1"), ("b", "b1"), ("d", "d1")]
+        tasks = {tag: asyncio.create_task(wait(o, tag)) for o, tag in tags}
+        await asyncio.sleep(0)  # all five wait
+        tasks["d1"].cancel()
+        slots.give("a")
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        return order, slots.held.total()
+
+    order, held = asyncio.run(main())
+    # a held the slot: the owners never served go first (in the order they came), then a's
+    assert order == ["c1", "b1", "a1", "a2"] and held == 0
