@@ -195,10 +195,12 @@ def test_an_upload_twice_the_limit_is_413_and_leaves_nothing(api: Api) -> None:
     streamed = upload(api, chunks)  # chunked, no length: refused once it passes the limit
     assert streamed.status_code == 413 and str(1 << 20) in streamed.json()["detail"]
     nothing_left(api, "corpus")
-    # The owner's total too: a first dataset counts against the second.
+    # The owner's total too: a first dataset counts against the second, as prepared (2 bytes
+    # a token); the second, chunked, is refused once its bytes are in.
     api.settings.dataset_max_owner_bytes = 1 << 20
-    ready(api, b"b" * 600_000, name="first")
-    over = upload(api, iter([b"c" * 600_000]), name="second")
+    first = ready(api, b"b" * 300_000, name="first")
+    assert 600_000 < first["disk_bytes"] < 1 << 20
+    over = upload(api, iter([b"c" * 300_000]), name="second")
     assert over.status_code == 413 and "TRAINQ_DATASET_MAX_OWNER_BYTES" in over.json()["detail"]
     nothing_left(api, "second")
 

@@ -61,3 +61,35 @@ def test_sqlite_lifecycle_with_retry(sqlite_api: Api) -> None:
     assert [i["id"] for i in listed["items"]] == [job["id"]]
     points = api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=api.headers()).json()
     assert [p["step"] for p in points["points"]] == [1, 2]
+
+
+def test_sqlite_dataset_quota_holds_for_parallel_uploads(sqlite_api: Api) -> None:
+    """The owner's lock row on SQLite (its write lock): parallel uploads against room for
+    two never pass it, and none fails for a locked database."""
+    import threading
+
+    from service.api.datasets.quota import prepared_bound
+
+    api = sqlite_api
+    size = 100_000
+    room = 2 * prepared_bound("text", size) + 1000
+    api.settings.dataset_max_owner_bytes = room
+    start = threading.Barrier(6)
+    codes: dict[str, int] = {}
+
+    def one(i: int) -> None:
+        start.wait()
+        resp = api.client.post(
+            "/v1/datasets", params={"name": f"s{i}"}, content=b"q" * size, headers=api.headers()
+        )
+        codes[f"s{i}"] = resp.status_code
+        assert resp.status_code == 202 or "TRAINQ_DATASET_MAX_OWNER_BYTES" in resp.text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(codes.values()) == [202, 202, 413, 413, 413, 413], codes
+    listed = api.client.get("/v1/datasets", headers=api.headers()).json()["items"]
+    assert sum(d["disk_bytes"] for d in listed) <= room

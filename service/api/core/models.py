@@ -33,6 +33,7 @@ __all__ = [
     "ACTIVE_ATTEMPT",
     "ATTEMPTS",
     "DATASETS",
+    "DATASET_OWNERS",
     "DATASET_STATUSES",
     "JOBS",
     "LOGS",
@@ -43,6 +44,7 @@ __all__ = [
     "Attempt",
     "Base",
     "Dataset",
+    "DatasetOwner",
     "Job",
     "LogChunk",
     "Metric",
@@ -238,6 +240,9 @@ class Dataset(Base):
     tokenizer: Mapped[str] = mapped_column(String(1024))  # "byte" or a path under the data root
     path: Mapped[str] = mapped_column(String(1024))
     bytes: Mapped[int] = mapped_column(BigInteger)  # uploaded so far, then the upload's size
+    # What it counts against the owner's quota: reserved while in progress, then the
+    # prepared folder's size (service.api.datasets.quota); a failed one counts nothing.
+    disk_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     documents: Mapped[int | None] = mapped_column(BigInteger)
     train_tokens: Mapped[int | None] = mapped_column(BigInteger)
     val_tokens: Mapped[int | None] = mapped_column(BigInteger)
@@ -252,10 +257,21 @@ class Dataset(Base):
     )
 
 
+class DatasetOwner(Base):
+    """One row per owner that has uploaded: every quota reservation locks (updates) it
+    first, so reservations of one owner are serialized across API replicas."""
+
+    __tablename__ = "dataset_owners"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    locked_at: Mapped[datetime]
+
+
 # The tables, typed as such, for Core statements on the hot paths.
 JOBS = cast(Table, Job.__table__)
 ATTEMPTS = cast(Table, Attempt.__table__)
 METRICS = cast(Table, Metric.__table__)
 LOGS = cast(Table, LogChunk.__table__)
 DATASETS = cast(Table, Dataset.__table__)
+DATASET_OWNERS = cast(Table, DatasetOwner.__table__)
 OWNER_LIMITS = cast(Table, OwnerLimit.__table__)

@@ -84,9 +84,11 @@ class Settings(BaseSettings):
     # A stream ends after this long (the client resumes with Last-Event-ID), so no stream
     # outlives a policy change by more than this.
     sse_max_lifetime_s: float = Field(3600.0, gt=0)
-    # Datasets (service.api.datasets.service): one upload's size, and all of an owner's uploads
-    # together; beyond, 413 naming the setting. Preparations run as this many processes at
-    # once; an uploading/preparing dataset whose process stops beating for stale_s fails.
+    # Datasets (service.api.datasets.service): one upload's size, and all of an owner's
+    # datasets together (as prepared: 2 bytes a token; service.api.datasets.quota); beyond,
+    # 413 naming the setting. Preparations run as at most this many processes at once,
+    # shared fairly between owners; an uploading/preparing dataset whose process stops
+    # beating for stale_s fails.
     dataset_max_upload_bytes: int = Field(8 * 1024**3, ge=1)
     dataset_max_owner_bytes: int = Field(64 * 1024**3, ge=1)
     dataset_prepare_workers: int = Field(2, ge=1, le=64)
@@ -99,8 +101,10 @@ class Settings(BaseSettings):
     generate_timeout_s: float = Field(120.0, gt=0, le=3600)
     # Generation requests one owner may have in flight on one API process (more: 429).
     generate_max_per_owner: int = Field(8, ge=1)
-    # A dataset upload whose body sends nothing for this long is cut (408).
+    # A dataset upload whose body sends nothing for this long is cut (408); and one that has
+    # not ended this long after it began, however steadily it sends (408).
     dataset_upload_idle_s: float = Field(60.0, gt=0)
+    dataset_upload_max_s: float = Field(3600.0, gt=0)
     # Submit limits per owner (service.api.scheduling.ratelimit); beyond, 429 naming the setting;
     # 0: none. Submits per window (the window is a minute; tests shorten it), counted in Redis.
     submits_per_minute: int = Field(100_000, ge=0)

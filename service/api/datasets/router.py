@@ -20,6 +20,7 @@ from service.api.core.deps import PrincipalDep, Services, ServicesDep
 from service.api.core.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, TrainqError
 from service.api.core.models import DATASETS
 from service.api.core.responses import errors
+from service.api.datasets import quota
 from service.api.datasets import service as datasets
 from service.api.datasets.service import ACTIVE, DatasetList, DatasetOut, Format
 from service.api.datasets.upload import Refused, UploadSink, make_check
@@ -83,7 +84,8 @@ def _over(what: str, limit: int, setting: str) -> PayloadTooLarge:
     responses={
         **errors(401, 409),
         408: {
-            "description": "the upload's body stalled (TRAINQ_DATASET_UPLOAD_IDLE_S)",
+            "description": "the upload's body stalled (TRAINQ_DATASET_UPLOAD_IDLE_S), or"
+            " did not end in time (TRAINQ_DATASET_UPLOAD_MAX_S)",
             "model": errors(401)[401]["model"],
         },
     },
@@ -117,9 +119,11 @@ async def upload_dataset(
     corpus is a 422 naming what is wrong (the byte offset, the line, the shard); over a size
     limit, 413 naming it; nothing of a refused upload is kept."""
     settings = services.settings
+    deadline = asyncio.get_running_loop().time() + settings.dataset_upload_max_s
     data_root = FsPath(settings.data_root)
     datasets.check_name(name, ["query", "name"])
     stored, tok_file = await run_in_threadpool(datasets.resolve_tokenizer, data_root, tokenizer)
+    tok_bytes = 0 if tok_file is None else (await run_in_threadpool(tok_file.stat)).st_size
     if format != "bin" and vocab_size is not None:
         raise InvalidInput.at(["query", "vocab_size"], "vocab_size goes with format bin only")
     if format == "bin" and vocab_size is None and tok_file is not None:
@@ -132,8 +136,29 @@ async def upload_dataset(
     size = int(declared) if declared and declared.isdigit() else 0
     if size > limit:
         raise _over(f"the upload is {size} bytes", limit, "TRAINQ_DATASET_MAX_UPLOAD_BYTES")
-    owner_limit = settings.dataset_max_owner_bytes
-    row, used = await run_in_threadpool(
+    # The owner's room is reserved for what this upload becomes once prepared: for the
+    # declared length now, for the bytes received as they come (service.api.datasets.quota).
+    covered = size
+
+    def reserve(received: int) -> int:
+        return quota.prepared_bound(format, received, tok_bytes)
+
+    async def cover(received: int) -> None:
+        """Reserve room for ``received`` bytes before they are written (413 if none)."""
+        nonlocal covered
+        if received > covered:
+            covered = received
+            row["disk_bytes"] = reserve(received)
+            await run_in_threadpool(
+                quota.reserve,
+                services.sessions,
+                dataset_id,
+                principal.name,
+                row["disk_bytes"],
+                settings.dataset_max_owner_bytes,
+            )
+
+    row = await run_in_threadpool(
         lambda: datasets.begin_upload(
             services.sessions,
             data_root,
@@ -141,8 +166,8 @@ async def upload_dataset(
             name=name,
             fmt=format,
             tokenizer=stored,
-            declared=size,
-            owner_limit=owner_limit,
+            reserve=reserve(size),
+            owner_limit=settings.dataset_max_owner_bytes,
         )
     )
     work: DatasetWork = request.app.state.datasets
@@ -156,20 +181,17 @@ async def upload_dataset(
         sink = await run_in_threadpool(UploadSink, upload, make_check(format, vocab))
         # One buffer written (and checked) on a worker thread while the next one arrives.
         buf, received = bytearray(), 0
-        async for chunk in _idle_bounded(request, settings.dataset_upload_idle_s):
+        async for chunk in _bounded(
+            request, settings.dataset_upload_idle_s, settings.dataset_upload_max_s, deadline
+        ):
             buf += chunk
             received += len(chunk)
             if received > limit:
                 raise _over(
                     f"the upload passed {limit} bytes", limit, "TRAINQ_DATASET_MAX_UPLOAD_BYTES"
                 )
-            if used + received > owner_limit:
-                raise _over(
-                    f"your datasets would hold more than {owner_limit} bytes",
-                    owner_limit,
-                    "TRAINQ_DATASET_MAX_OWNER_BYTES",
-                )
             if len(buf) >= FLUSH_BYTES:
+                await cover(received)
                 if writing is not None:
                     await writing
                 data, buf = bytes(buf), bytearray()
@@ -177,6 +199,7 @@ async def upload_dataset(
                 work.uploading[dataset_id] = received
         if writing is not None:
             await writing
+        await cover(received)
         if buf:
             await run_in_threadpool(sink.write, bytes(buf))
         documents = await run_in_threadpool(sink.finish)
@@ -205,21 +228,33 @@ async def upload_dataset(
     return _json(datasets.dataset_out(row), 202)
 
 
-class UploadIdle(TrainqError):
+class UploadTimeout(TrainqError):
     status_code = 408
 
 
-async def _idle_bounded(request: Request, idle_s: float) -> AsyncIterator[bytes]:
-    """The body's chunks; an upload that sends nothing for ``idle_s`` (a slow client
-    holding a row and a warm preparation child) ends with a 408."""
+async def _bounded(
+    request: Request, idle_s: float, max_s: float, deadline: float
+) -> AsyncIterator[bytes]:
+    """The body's chunks; an upload that sends nothing for ``idle_s``, or is not over by
+    ``deadline`` (the loop's clock: ``max_s`` after the upload began) however steadily it
+    sends (a slow client holding a row, a
+    reservation and a preparation child), ends with a 408 naming the setting."""
+    loop = asyncio.get_running_loop()
     chunks = request.stream().__aiter__()
     while True:
+        left = deadline - loop.time()
         try:
-            chunk = await asyncio.wait_for(anext(chunks), idle_s)
+            if left <= 0:
+                raise TimeoutError
+            chunk = await asyncio.wait_for(anext(chunks), min(idle_s, left))
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise UploadIdle(
+            if loop.time() >= deadline:
+                raise UploadTimeout(
+                    f"the upload did not end within {max_s:g} s (TRAINQ_DATASET_UPLOAD_MAX_S)"
+                ) from None
+            raise UploadTimeout(
                 f"the upload sent nothing for {idle_s:g} s (TRAINQ_DATASET_UPLOAD_IDLE_S)"
             ) from None
         yield chunk

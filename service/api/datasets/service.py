@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-from sqlalchemy import Connection, delete, func, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.core.auth import Principal
-from service.api.core.errors import Conflict, InvalidInput, PayloadTooLarge
+from service.api.core.errors import Conflict, InvalidInput
 from service.api.core.models import DATASETS, JOBS, new_job_id, utcnow
 from service.api.core.schemas import UTCDatetime
+from service.api.datasets import quota
 from service.api.jobs.schemas import JobSpec
 from trainer.config import ConfigError, HFModelConfig, resolve_data_path
 
@@ -83,6 +84,11 @@ class DatasetOut(BaseModel):
     tokenizer: str = Field(description='"byte", or the tokenizer.json under the data root')
     path: str = Field(description="its folder, relative to the data root (a job's data.path)")
     bytes: int = Field(description="bytes uploaded (so far, while uploading)")
+    disk_bytes: int = Field(
+        0,
+        description="what it counts against your TRAINQ_DATASET_MAX_OWNER_BYTES: reserved"
+        " while it uploads and prepares, its folder's size once ready, 0 once failed",
+    )
     documents: int | None = Field(
         None, description="text: 1; jsonl: records with text; bin: shards"
     )
@@ -159,16 +165,6 @@ def resolve_tokenizer(data_root: Path, value: str) -> tuple[str, Path | None]:
 # -- the store ------------------------------------------------------------------------------
 
 
-def owner_usage(conn: Connection | Session, owner: str) -> int:
-    total = conn.execute(
-        select(func.coalesce(func.sum(DATASETS.c.bytes), 0)).where(
-            DATASETS.c.owner == owner,
-            DATASETS.c.status != "failed",  # a failed one holds none
-        )
-    ).scalar_one()
-    return int(total)
-
-
 def get_row(conn: Connection | Session, owner: str, name: str) -> Any:
     return (
         conn.execute(select(DATASETS).where(DATASETS.c.owner == owner, DATASETS.c.name == name))
@@ -194,11 +190,12 @@ def begin_upload(
     name: str,
     fmt: str,
     tokenizer: str,
-    declared: int,
+    reserve: int,
     owner_limit: int,
-) -> tuple[dict[str, Any], int]:
-    """Insert the ``uploading`` row; (row, the owner's other uploads' bytes). A name already
-    taken is a Conflict, unless that dataset failed: then it is replaced."""
+) -> dict[str, Any]:
+    """Insert the ``uploading`` row, reserving ``reserve`` bytes of the owner's room
+    (service.api.datasets.quota; PayloadTooLarge naming the setting if they do not fit). A
+    name already taken is a Conflict, unless that dataset failed: then it is replaced."""
     now = utcnow()
     row = {
         "id": new_job_id(),
@@ -210,6 +207,7 @@ def begin_upload(
         "tokenizer": tokenizer,
         "path": folder_of(owner, name),
         "bytes": 0,
+        "disk_bytes": reserve,
         "documents": None,
         "train_tokens": None,
         "val_tokens": None,
@@ -219,17 +217,13 @@ def begin_upload(
         "ready_at": None,
     }
     with sessions() as session, session.begin():
+        quota.lock_owner(session, owner)  # first: this owner's uploads one at a time
         old = get_row(session, owner, name)
         if old is not None:
             if old["status"] != "failed":
                 raise Conflict(f"dataset {name} already exists ({old['status']}); delete it first")
             session.execute(delete(DATASETS).where(DATASETS.c.id == old["id"]))
-        used = owner_usage(session, owner)
-        if used + declared > owner_limit:
-            raise PayloadTooLarge(
-                f"your datasets would hold {used + declared} bytes, over the per-owner limit"
-                f" of {owner_limit} bytes (TRAINQ_DATASET_MAX_OWNER_BYTES)"
-            )
+        quota.check(session, owner, reserve, owner_limit, exclude=None)
         try:
             session.execute(insert(DATASETS).values(**row))
             session.flush()
@@ -238,7 +232,7 @@ def begin_upload(
     if old is not None:
         shutil.rmtree(Path(data_root) / old["path"], ignore_errors=True)
         remove_work(data_root, old["id"])
-    return row, used
+    return row
 
 
 def set_status(
@@ -305,7 +299,7 @@ def reap_stale(sessions: sessionmaker[Session], data_root: Path, stale_s: float)
             f"the API process {'receiving' if r.status == 'uploading' else 'preparing'} it"
             f" stopped (no heartbeat for {stale_s:g}s); upload it again"
         )
-        if set_status(sessions, r.id, r.status, status="failed", reason=why):
+        if set_status(sessions, r.id, r.status, status="failed", reason=why, disk_bytes=0):
             remove_work(data_root, r.id)
             reaped += 1
     return reaped

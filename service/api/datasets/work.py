@@ -1,8 +1,11 @@
 """The API process's dataset work: uploads in progress, and their preparation as children.
 
 One ``DatasetWork`` per app (``app.state.datasets``). Preparation runs as a child process,
-``python -m service.api.datasets.prepare`` (an argv list, no shell), at most
-``dataset_prepare_workers`` at once, awaited on the event loop without blocking it. A child
+``python -m service.api.datasets.prepare`` (an argv list, no shell), awaited on the event
+loop without blocking it. At most ``dataset_prepare_workers`` children live at once, warm
+(started with an upload) or working: each holds a permit of ``FairSlots`` from its start to
+its exit, and the permits go round between the owners with waiting work
+(service.api.datasets.slots). A child
 rather than a pool of long-lived processes: the corpus it holds in memory goes back to the
 system when it exits, an out-of-memory kill takes only that dataset, it can be killed on
 shutdown, and nothing is forked from this threaded process.
@@ -31,7 +34,9 @@ from starlette.concurrency import run_in_threadpool
 import service
 from service.api.core.models import utcnow
 from service.api.core.settings import Settings
+from service.api.datasets import quota
 from service.api.datasets import service as datasets
+from service.api.datasets.slots import FairSlots
 from trainer.files import make_dirs
 
 __all__ = ["DatasetWork"]
@@ -50,10 +55,11 @@ class DatasetWork:
         self.data_root = Path(settings.data_root)
         self.uploading: dict[str, int] = {}  # dataset id -> bytes received
         self.preparing: set[str] = set()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: FairSlots | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._children: dict[str, asyncio.subprocess.Process] = {}
-        self._warm: dict[str, asyncio.subprocess.Process] = {}  # started, waiting for go
+        # started with an upload, waiting for go: dataset id -> (child, its owner)
+        self._warm: dict[str, tuple[asyncio.subprocess.Process, str]] = {}
         self._closing = False
         self._beat: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -66,7 +72,7 @@ class DatasetWork:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._loop = loop
-            self._slots = asyncio.Semaphore(self.settings.dataset_prepare_workers)
+            self._slots = FairSlots(self.settings.dataset_prepare_workers)
             self._beat = None
             self._closing = False  # a closed app served again (tests)
         return loop
@@ -97,7 +103,7 @@ class DatasetWork:
 
     # -- preparing -------------------------------------------------------------------------
 
-    def _semaphore(self) -> asyncio.Semaphore:
+    def slots(self) -> FairSlots:
         self._bind()
         assert self._slots is not None
         return self._slots
@@ -105,25 +111,38 @@ class DatasetWork:
     async def warm(
         self, row: dict[str, Any], tokenizer: Path | None, vocab_size: int, val_fraction: float
     ) -> None:
-        """Start the dataset's child now (at most ``dataset_prepare_workers`` so waiting):
-        its interpreter and imports (~0.5 s) overlap the upload. It gets ``go`` on stdin
-        once the upload is complete and a preparation slot free; till then a byte-level
-        text or jsonl child prepares the bytes already written (service.api.datasets.prepare),
-        the others wait idle."""
-        if len(self._warm) >= self.settings.dataset_prepare_workers:
+        """Start the dataset's child now, if a permit is free (``FairSlots.try_take``: no
+        one waits for it, and the owner holds less than half of them): its interpreter and
+        imports (~0.5 s) overlap the upload. It gets ``go`` on stdin once the upload is
+        complete; till then a byte-level text or jsonl child prepares the bytes already
+        written (service.api.datasets.prepare), the others wait idle. The permit is taken
+        before the child is started (no await between the check and the take), so a burst
+        of uploads never starts more children than there are permits."""
+        owner = row["owner"]
+        slots = self.slots()
+        if not slots.try_take(owner, share=max(1, slots.capacity // 2)):
             return
         argv = [*self._argv(row, tokenizer, vocab_size, val_fraction), "--wait-go"]
-        self._warm[row["id"]] = await self._spawn(argv, stdin=asyncio.subprocess.PIPE)
+        try:
+            proc = await self._spawn(argv, stdin=asyncio.subprocess.PIPE)
+        except BaseException:
+            slots.give(owner)
+            raise
+        self._warm[row["id"]] = (proc, owner)
 
     async def cool(self, dataset_id: str) -> None:
         """The upload failed: its warm child goes, and its slot with it, and what it had
         prepared of the upload so far (a byte-level child prepares while the upload comes)."""
-        proc = self._warm.pop(dataset_id, None)
-        if proc is None:
+        warm = self._warm.pop(dataset_id, None)
+        if warm is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        await proc.communicate(b"")  # closes its pipes too
+        proc, owner = warm
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            await proc.communicate(b"")  # closes its pipes too, and reaps it
+        finally:
+            self.slots().give(owner)
         _, out = datasets.work_paths(self.data_root, dataset_id)
         await run_in_threadpool(shutil.rmtree, out, ignore_errors=True)
 
@@ -135,7 +154,8 @@ class DatasetWork:
         self._start_beating()
         argv = self._argv(row, tokenizer, vocab_size, val_fraction)
         warm = self._warm.pop(row["id"], None)
-        task = self._bind().create_task(self._prepare(row["id"], row, argv, warm))
+        proc = warm[0] if warm is not None else None
+        task = self._bind().create_task(self._prepare(row["id"], row, argv, proc))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -186,9 +206,10 @@ class DatasetWork:
         argv: list[str],
         warm: asyncio.subprocess.Process | None,
     ) -> None:
-        slots = self._semaphore()
+        slots, owner = self.slots(), row["owner"]
         try:
-            await slots.acquire()
+            if warm is None:
+                await slots.take(owner)  # a warm child already holds its permit
             try:
                 if self._closing:
                     result = {"ok": False}
@@ -198,7 +219,7 @@ class DatasetWork:
                     proc = warm or await self._spawn(argv, stdin=asyncio.subprocess.DEVNULL)
                     result = await self._run(dataset_id, proc, b"go\n" if warm else None)
             finally:
-                slots.release()
+                slots.give(owner)
             if self._closing:
                 await run_in_threadpool(self._fail, dataset_id, _STOPPED)
             elif result.get("ok") is True:
@@ -239,29 +260,35 @@ class DatasetWork:
         return result
 
     def _publish(self, row: dict[str, Any], result: dict[str, Any]) -> None:
-        """The prepared folder to its place, then ``ready``; if the row moved on meanwhile
-        (the reconciler failed it), the folder goes again."""
+        """The prepared folder to its place, then ``ready``, counting the folder's real size
+        against the owner's room (``quota.settle``); if it does not fit, or the row moved on
+        meanwhile (the reconciler failed it), the folder goes again."""
         _, out = datasets.work_paths(self.data_root, row["id"])
+        real = quota.folder_bytes(out)
         final = self.data_root / row["path"]
         make_dirs(final.parent)
         shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash between the two
         os.rename(out, final)
-        done = datasets.set_status(
-            self.sessions,
-            row["id"],
-            "preparing",
-            status="ready",
-            train_tokens=int(result["train_tokens"]),
-            val_tokens=int(result["val_tokens"]),
-            vocab_size=int(result["vocab_size"]),
-            ready_at=utcnow(),
-        )
-        if not done:
+        values = {
+            "status": "ready",
+            "train_tokens": int(result["train_tokens"]),
+            "val_tokens": int(result["val_tokens"]),
+            "vocab_size": int(result["vocab_size"]),
+            "ready_at": utcnow(),
+        }
+        limit = self.settings.dataset_max_owner_bytes
+        refused = quota.settle(self.sessions, row["id"], row["owner"], real, limit, values)
+        if refused is not None:
             shutil.rmtree(final, ignore_errors=True)
 
     def _fail(self, dataset_id: str, reason: str) -> None:
         datasets.set_status(
-            self.sessions, dataset_id, "preparing", status="failed", reason=reason[:2000]
+            self.sessions,
+            dataset_id,
+            "preparing",
+            status="failed",
+            reason=reason[:2000],
+            disk_bytes=0,  # its files go: it holds none of the owner's room
         )
         datasets.remove_work(self.data_root, dataset_id)
 
