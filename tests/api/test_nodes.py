@@ -167,9 +167,7 @@ def test_a_node_whose_heartbeat_stops_loses_the_attempt(api: Api) -> None:
     assert api.services.redis.exists(api.keys.stop(job["id"], 1))
 
 
-def test_a_node_whose_exit_is_not_yet_ingested_is_not_lost(
-    api: Api, make_settings: Any
-) -> None:
+def test_a_node_whose_exit_is_not_yet_ingested_is_not_lost(api: Api, make_settings: Any) -> None:
     """Node 1 finished first and its exit waits in the stream (ingest lags past the grace);
     node 0 still runs. Neither node is missing: the attempt succeeds once both are ingested."""
     from service.api.scheduling.reconcile import Reconciler
