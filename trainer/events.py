@@ -8,6 +8,8 @@ Layout (``prefix`` defaults to ``trainq``):
 - ``{prefix}:events``            every job's events; the service ingests it through a consumer group
 - ``{prefix}:job:{id}``          per-job copy for SSE followers (entry id = SSE id)
 - ``{prefix}:hb:{id}:{attempt}`` heartbeat key with a TTL
+- ``{prefix}:exited:{id}:{attempt}`` set by the worker in place of the heartbeat once its exit
+  event is sent (with a TTL): the exit is in flight, the service's reaper waits for ingest
 - ``{prefix}:claim:{id}:{attempt}`` the attempt's claim (SET NX), so a redelivery does nothing
 - ``{prefix}:cancel:{id}``       cancel flag (the key is the truth; pub/sub only wakes)
 - ``{prefix}:workers``           hash of live workers
@@ -112,6 +114,11 @@ class Keys:
 
     def heartbeat(self, job_id: str, attempt: int, node: int = 0) -> str:
         return f"{self.prefix}:hb:{job_id}:{attempt}" + (f":{node}" if node else "")
+
+    def exited(self, job_id: str, attempt: int, node: int = 0) -> str:
+        """Replaces the heartbeat once the node's exit event is sent: the exit is in flight
+        (not yet ingested), so the reaper must not take the missing heartbeat for a loss."""
+        return f"{self.prefix}:exited:{job_id}:{attempt}" + (f":{node}" if node else "")
 
     def claim(self, job_id: str, attempt: int, node: int = 0) -> str:
         return f"{self.prefix}:claim:{job_id}:{attempt}" + (f":{node}" if node else "")

@@ -28,6 +28,10 @@ class WorkerSettings(BaseSettings):
     runs_root: Path = Path("runs")
 
     heartbeat_ttl_s: float = Field(10.0, gt=0)  # refreshed every ttl/3
+    # Once an attempt's exit event is sent, its heartbeat is replaced by an "exited" marker
+    # that lives this long: the service does not call the attempt lost while its exit waits
+    # to be ingested (an API under load, or down for less than this).
+    exit_marker_ttl_s: float = Field(3600.0, gt=0)
     cancel_grace_s: float = Field(30.0, ge=0)  # SIGTERM, then this long, then SIGKILL
     cancel_poll_s: float = Field(1.0, gt=0)  # the cancel key is polled; pub/sub only wakes
     registry_interval_s: float = Field(5.0, gt=0)

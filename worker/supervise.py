@@ -109,8 +109,12 @@ def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
         sent = pub.close(s.flush_timeout_s)
         if not sent:
             log.error("attempt %s: %d events not sent (Redis unreachable)", label, pub.pending())
-        # Keep the heartbeat if the exit event is still unsent: it expires on its own.
-        hb.stop(delete=sent)
+        if sent:
+            # The exit is on the stream but maybe not yet ingested (an API under load): an
+            # "exited" marker replaces the heartbeat, and the reaper waits for the ingest.
+            hb.hand_over(ctx.keys.exited(msg.job_id, msg.attempt, node), s.exit_marker_ttl_s)
+        else:
+            hb.stop()  # the exit event is unsent: the heartbeat expires on its own, then lost
     finally:
         ctx.untrack(msg.job_id, msg.attempt, node)
     log.info("attempt %s exited: %s", label, outcome)

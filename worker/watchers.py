@@ -39,14 +39,23 @@ class Heartbeat:
         while not self._stop.wait(self._every):
             self.beat()
 
-    def stop(self, *, delete: bool) -> None:
+    def stop(self) -> None:
+        """Stop beating; the key expires on its own (the exit event may be unsent)."""
         self._stop.set()
         self._thread.join(5)
-        if delete:
-            try:
-                self._client.delete(self._key)
-            except Exception:
-                pass  # it expires on its own
+
+    def hand_over(self, marker: str, ttl_s: float) -> None:
+        """Stop beating and replace the key by ``marker`` (with its own TTL) in one
+        transaction, so that at no moment neither exists: the exit event is sent, and the
+        reaper must wait for its ingestion rather than call the attempt lost."""
+        self.stop()
+        try:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(marker, self._value, px=max(1, int(ttl_s * 1000)))
+            pipe.delete(self._key)
+            pipe.execute()
+        except Exception as exc:  # the heartbeat expires on its own; the exit is sent
+            log.warning("could not replace heartbeat %s by %s: %s", self._key, marker, exc)
 
 
 class CancelWatch:

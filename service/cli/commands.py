@@ -384,7 +384,8 @@ def register(app: typer.Typer) -> None:
                 fmt(q.get("running")),
                 fmt(q.get("queued")),
                 ", ".join(
-                    f"{g['owner']}@{g['priority']}:{g['jobs']}" for g in q.get("queued_by") or []
+                    f"{g['owner'] or 'others'}@{g['priority']}:{g['jobs']}"
+                    for g in q.get("queued_by") or []
                 )
                 or "-",
             ]

@@ -160,8 +160,18 @@ class WorkerSim:
         self.r.set(self.keys.claim(self.job_id, self.attempt), "w1", nx=True, ex=7 * 86400)
         self.r.set(self.keys.heartbeat(self.job_id, self.attempt), "1", ex=ttl)
 
+    node = 0  # NodeSim: node n of a multi-node attempt
+
     def stop_heartbeat(self) -> None:
         self.r.delete(self.keys.heartbeat(self.job_id, self.attempt))
+
+    def hand_over(self, ttl_ms: int = 60_000) -> None:
+        """What a worker does once its exit event is sent: the "exited" marker replaces the
+        heartbeat in one transaction (worker.watchers.Heartbeat.hand_over)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(self.keys.exited(self.job_id, self.attempt, self.node), "w1", px=ttl_ms)
+        pipe.delete(self.keys.heartbeat(self.job_id, self.attempt, self.node))
+        pipe.execute()
 
     def running(self) -> Event:
         return self.event(

@@ -281,7 +281,8 @@ def test_decide_orders_by_priority_then_fair_share_then_submit_time() -> None:
     # A running quota of 1: the owner's second job waits though a slot is free.
     plan = decide([_w("w", free=3)], waiting[:2], [], {}, now=now, default_cap=1)
     assert list(plan.place) == [("0001", 1)]
-    assert "waiting for quota: owner a holds 1 of its 1 slots" in plan.reasons["q"][0][1]
+    why = plan.reasons["q"][0][1].text(admin=False)
+    assert "waiting for quota: owner a holds 1 of its 1 slots" in why, why
 
 
 def test_decide_preempts_the_fewest_newest_victims() -> None:

@@ -165,3 +165,35 @@ def test_a_node_whose_heartbeat_stops_loses_the_attempt(api: Api) -> None:
     assert "heartbeat of node 1 of 2 expired" in lost["message"]
     assert (got["status"], got["attempt"]) == ("queued", 2)
     assert api.services.redis.exists(api.keys.stop(job["id"], 1))
+
+
+def test_a_node_whose_exit_is_not_yet_ingested_is_not_lost(api: Api, make_settings: Any) -> None:
+    """Node 1 finished first and its exit waits in the stream (ingest lags past the grace);
+    node 0 still runs. Neither node is missing: the attempt succeeds once both are ingested."""
+    from service.api.scheduling.reconcile import Reconciler
+
+    s = api.services
+    hasty = Reconciler(
+        make_settings(redis_prefix=api.settings.redis_prefix, heartbeat_grace_s=0),
+        s.sessions,
+        s.redis,
+        s.dispatcher,
+    )
+    job = api.submit(nodes=2, retries=0)
+    n0, n1 = NodeSim(api, job["id"], 0), NodeSim(api, job["id"], 1)
+    n0.claim(), n1.claim()
+    n0.running(), n1.running()
+    api.drain()
+    n1.exited(0)
+    n1.hand_over()
+    assert hasty.run_once() == {"sent": 0, "lost": 0}
+    n0.exited(0)
+    n0.hand_over()
+    assert hasty.run_once() == {"sent": 0, "lost": 0}
+    api.drain()
+    got = api.get(job["id"])
+    assert got["status"] == "succeeded", got
+    assert _node_exits(api, job["id"]) == {
+        "0": {"exit_code": 0, "reason": None},
+        "1": {"exit_code": 0, "reason": None},
+    }

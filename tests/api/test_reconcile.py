@@ -105,6 +105,46 @@ def test_heartbeat_grace(api: Api, sim: Callable[..., WorkerSim], make_settings:
     assert api.get(job["id"])["status"] == "running"
 
 
+def test_an_exit_sent_but_not_ingested_is_not_lost(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Any
+) -> None:
+    """The race of issue 22: the worker sent its exit and dropped its heartbeat, and the
+    ingest lags (an API under load) past the grace. The reaper must wait for the ingest."""
+    s = api.services
+    hasty = Reconciler(
+        make_settings(redis_prefix=api.settings.redis_prefix, heartbeat_grace_s=0),
+        s.sessions,
+        s.redis,
+        s.dispatcher,
+    )
+    job = api.submit(retries=0)
+    w = sim(job["id"])
+    w.claim()
+    w.running()
+    api.drain()
+    w.exited(0)  # on the stream, not ingested yet
+    w.hand_over()
+    assert _pass(hasty)["lost"] == 0, "an exit in flight is not a loss, even with no grace"
+    assert api.get(job["id"])["status"] == "running"
+    api.drain()
+    got = api.get(job["id"])
+    assert got["status"] == "succeeded" and got["attempts"][0]["status"] == "exited"
+
+    # The marker is bounded: an exit that is never ingested (lost from the stream) still
+    # ends as lost once the marker has expired.
+    stuck = api.submit(retries=0)
+    w = sim(stuck["id"])
+    w.claim()
+    w.running()
+    api.drain()
+    w.hand_over(ttl_ms=1)
+    import time
+
+    time.sleep(0.05)
+    assert _pass(hasty)["lost"] == 1
+    assert api.get(stuck["id"])["reason"] == "lost"
+
+
 def test_retry_rules(api: Api, sim: Callable[..., WorkerSim]) -> None:
     outcomes = {}
     for reason, code in [

@@ -66,6 +66,9 @@ def test_two_ranks_succeed_and_a_duplicate_delivery_does_nothing(
     assert list((run_dir / "logs").rglob("stdout.log")), "torchrun's per-rank log files"
     assert wire.r.get(wire.keys.claim(job, 1)) == b"w1"
     assert not wire.r.exists(wire.keys.heartbeat(job, 1)), "a finished attempt drops its beat"
+    # ... for an "exited" marker, so the reaper waits for the exit's ingestion (issue 22)
+    assert wire.r.get(wire.keys.exited(job, 1)) == b"w1"
+    assert wire.r.ttl(wire.keys.exited(job, 1)) > 3000
     wait_for(lambda: "duplicate delivery ignored" in w.log(), 10, "the duplicate to be seen")
     wait_for(lambda: (wire.worker_entry("w1") or {}).get("running") == [], 10,
              "the registry to clear the job")  # fmt: skip

@@ -121,7 +121,14 @@ class Settings(BaseSettings):
     fair_share_half_life_s: float = Field(3600.0, gt=0)
     # A job is preempted at most once per this interval (no thrashing).
     preempt_min_interval_s: float = Field(300.0, ge=0)
+    # A job that has yielded this many times is no longer preempted: it runs to its end
+    # (0: no budget).
+    preempt_max_per_job: int = Field(2, ge=0)
     preemption: bool = True
+    # Aging: a waiting job ranks +1 priority per this many seconds waited (0: no aging), at
+    # most +priority_aging_max; it only orders admission, never preempts.
+    priority_aging_s: float = Field(60.0, ge=0)
+    priority_aging_max: int = Field(10, ge=0, le=2000)
     # A gang that still failed to start is requeued after a backoff: base * 2^(n-1), capped.
     gang_backoff_s: float = Field(5.0, ge=0)
     gang_backoff_max_s: float = Field(300.0, ge=0)

@@ -343,7 +343,7 @@ def _served(queue: str, workers: list[dict[str, Any]]) -> bool:
     return any(queue in (w.get("queues") or ()) for w in workers)
 
 
-def _pending_reason(services: Services, session: Any, row: Any) -> str:
+def _pending_reason(services: Services, session: Any, row: Any, admin: bool) -> str:
     queue = row["queue"]
     try:
         workers = services.live_workers()
@@ -352,7 +352,7 @@ def _pending_reason(services: Services, session: Any, row: Any) -> str:
     if not _served(queue, workers):
         return f"no worker serves queue {queue}"
     if services.dispatcher.admits:
-        why = pending_reason(services.redis, services.keys, row["id"], queue)
+        why = pending_reason(services.redis, services.keys, row["id"], queue, admin=admin)
         if why is not None:
             return why
     return f"position {crud.queue_position(session, queue, row['id'])} in queue {queue}"
@@ -364,7 +364,7 @@ def _get(services: Services, principal: Principal, job_id: str, pending: bool = 
         if row is None:
             raise NotFound(f"job {job_id} not found")
         reason = (
-            _pending_reason(services, session, row)
+            _pending_reason(services, session, row, principal.admin)
             if pending and row["status"] == "queued"
             else None
         )
@@ -398,7 +398,9 @@ async def _aget(services: Services, principal: Principal, job_id: str) -> Respon
             if not _served(queue, workers):
                 reason = f"no worker serves queue {queue}"
             elif services.dispatcher.admits and (
-                why := await apending_reason(services.aredis, services.keys, job_id, queue)
+                why := await apending_reason(
+                    services.aredis, services.keys, job_id, queue, admin=principal.admin
+                )
             ):
                 reason = why
             else:

@@ -11,10 +11,13 @@ cancel; all publish on ``Keys.admit_channel``) and by a slow periodic pass:
    ``running`` with a placement: the admitter's own record), or what the worker says it
    holds, whichever is more. A worker that vanishes returns its capacity when its entry goes
    stale; an attempt placed on it that no node claimed is placed again elsewhere.
-2. Order, per queue: priority (higher first), then fair share between owners (slot-seconds
-   used, halved every ``fair_share_half_life_s``, kept in Redis so a replica that takes over
-   the lock continues it; a placement charges its owner at once, so two owners with equal
-   use alternate within a pass), then submit time (the job id is time-ordered). A retry or
+2. Order, per queue: priority (higher first; a waiting attempt gains +1 per
+   ``priority_aging_s`` it has waited, at most ``priority_aging_max``, so a stream of
+   urgent jobs cannot keep a normal one out for ever; aging orders, it never preempts),
+   then fair share between owners (slot-seconds used, halved every
+   ``fair_share_half_life_s``, kept in Redis so a replica that takes over the lock
+   continues it; a placement charges its owner at once, so two owners with equal use
+   alternate within a pass), then submit time (the job id is time-ordered). A retry or
    a preempted job keeps its job's place.
 3. Placement, all nodes at once or none (a gang never holds half the cluster): each node on
    a slot of a worker that serves the queue and whose slot holds ``procs_per_node`` ranks,
@@ -26,8 +29,9 @@ cancel; all publish on ``Keys.admit_channel``) and by a slow periodic pass:
    asked to yield (``Keys.preempt``: the worker stops the run with SIGTERM, the trainer
    checkpoints, the attempt exits ``preempted``, and the state machine requeues the job
    without spending a retry). A job is preempted at most once per
-   ``preempt_min_interval_s``; while a preemption in a queue is under way, none more starts
-   there.
+   ``preempt_min_interval_s``, and a job that has yielded ``preempt_max_per_job`` times
+   is not asked again (it runs to its end); while a preemption in a queue is under way,
+   none more starts there.
 5. Commit the placements (compare-and-set on the attempt), then send each node's message to
    its worker's own queue (``worker.message.worker_queue``) and mark the attempt sent. A
    send that fails leaves ``sent_at`` null: the next pass sends it again to the same workers
@@ -58,6 +62,7 @@ from service.api.core.models import ATTEMPTS, JOBS
 from service.api.core.settings import Settings
 from service.api.scheduling.decide import (
     Held,
+    Pending,
     Plan,
     Waiting,
     capacity,
@@ -93,6 +98,7 @@ _WAITING = (
         JOBS.c.procs_per_node.label("procs"),
         JOBS.c.priority,
         JOBS.c.not_before,
+        ATTEMPTS.c.created_at.label("since"),
     )
     .join(ATTEMPTS, and_(ATTEMPTS.c.job_id == JOBS.c.id, ATTEMPTS.c.number == JOBS.c.attempt))
     .where(
@@ -102,6 +108,9 @@ _WAITING = (
     )
     .order_by(JOBS.c.id)
 )
+
+# A job's earlier attempts, counted for its preemption budget (Held.preemptions).
+_YIELDED = ATTEMPTS.alias("yielded")
 
 # -- The pass against the stores -------------------------------------------------------------
 
@@ -154,6 +163,11 @@ class Admitter:
                     JOBS.c.procs_per_node,
                     JOBS.c.priority,
                     JOBS.c.preempted_at,
+                    select(func.count())
+                    .select_from(_YIELDED)
+                    .where(_YIELDED.c.job_id == JOBS.c.id, _YIELDED.c.reason == "preempted")
+                    .scalar_subquery()
+                    .label("preemptions"),
                 )
                 .join(JOBS, JOBS.c.id == ATTEMPTS.c.job_id)
                 .where(
@@ -287,7 +301,7 @@ class Admitter:
         resend = [r for r in held_rows if r.sent_at is None and r.status == "dispatched"]
         held = [
             Held(r.job_id, r.number, r.owner, r.queue, r.nodes, r.procs_per_node, r.priority,
-                 list(r.placement), r.created_at, r.preempted_at, r.status)
+                 list(r.placement), r.created_at, r.preempted_at, r.status, r.preemptions)
             for r in held_rows
         ]  # fmt: skip
         placed_on: dict[str, int] = defaultdict(int)
@@ -312,6 +326,9 @@ class Admitter:
             caps=caps,
             preempt_interval_s=self.settings.preempt_min_interval_s,
             preemption=self.settings.preemption,
+            aging_s=self.settings.priority_aging_s,
+            aging_max=self.settings.priority_aging_max,
+            preempt_budget=self.settings.preempt_max_per_job,
         )
         t_decide = time.perf_counter()
         placed = self._commit(plan.place)
@@ -433,10 +450,11 @@ class Admitter:
 
     def _write_pending(self, plan: Plan, starting: Mapping[tuple[str, int], list[str]]) -> None:
         """The pending reasons, replaced whole when they changed (one MULTI)."""
-        reasons = {job: why for lst in plan.reasons.values() for job, why in lst}
+        reasons = {job: why.dumps() for lst in plan.reasons.values() for job, why in lst}
         for (job, attempt), workers in starting.items():
             on = ", ".join(f"node {n} on {w}" for n, w in enumerate(workers))
-            reasons[job] = f"admitted: attempt {attempt} placed ({on}); waiting for it to start"
+            why = f"admitted: attempt {attempt} placed ({on}); waiting for it to start"
+            reasons[job] = Pending(why).dumps()
         summary = {q: json.dumps(s) for q, s in plan.summary.items()}
         digest = json.dumps([sorted(reasons.items()), sorted(summary.items())])
         if self._last_pending.get("digest") == digest:

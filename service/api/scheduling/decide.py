@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "Held",
+    "Pending",
     "Plan",
     "Waiting",
     "Worker",
@@ -62,6 +63,7 @@ class Waiting(NamedTuple):
     procs: int
     priority: int
     not_before: datetime | None = None
+    since: datetime | None = None  # when this attempt began to wait (priority aging)
 
 
 @dataclass
@@ -79,11 +81,73 @@ class Held:
     created_at: datetime
     preempted_at: datetime | None
     status: str
+    preemptions: int = 0  # times the job has yielded so far (its attempts ended preempted)
 
     @property
     def yielding(self) -> bool:
         """Asked to yield (preempted) after this attempt began: it is stopping."""
         return self.preempted_at is not None and aware(self.preempted_at) >= aware(self.created_at)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Why a queued job waits, kept so that it can be told per viewer (``text``): its own
+    owner (or an admin) reads it, and only an admin reads other owners' names or job ids.
+    Stored as JSON in ``{prefix}:pending`` (service.api.scheduling.pending)."""
+
+    why: str  # names no other owner, nor another owner's job
+    owner: str = ""
+    position: int = 0  # 0: not a position in the admission order (``why`` is all)
+    queue: str = ""
+    ahead: tuple[tuple[str, int], ...] = ()  # the owners with most jobs ahead, and how many
+    ahead_total: int = 0  # jobs ahead of it that still wait
+    ahead_own: int = 0  # ... of them its own owner's
+    preempting: tuple[str, ...] = ()  # jobs asked to yield for it
+    yielding: tuple[str, ...] = ()  # jobs of the queue checkpointing to yield
+    aged: int = 0  # priority added for the time it waited
+
+    def text(self, *, admin: bool) -> str:
+        """The reason as its owner (``admin`` False: counts only for the others) or an admin
+        (every name) reads it."""
+        if not self.position:
+            return self.why
+        aged = f" (priority +{self.aged} for its time waiting)" if self.aged else ""
+        out = f"position {self.position} in queue {self.queue}{aged}: {self.why}"
+        if self.yielding:
+            jobs = ", ".join(self.yielding) if admin else f"{len(self.yielding)}"
+            out += f"; job(s) {jobs} are checkpointing to yield theirs"
+        if self.preempting:
+            jobs = ", ".join(self.preempting) if admin else f"{len(self.preempting)}"
+            out += f"; preempting lower-priority job(s) {jobs}"
+        if admin and self.ahead:
+            out += "; ahead: " + ", ".join(f"{o} ({c})" for o, c in self.ahead)
+        elif self.ahead_total:
+            parts = [f"{self.owner} ({self.ahead_own})"] if self.ahead_own else []
+            others = self.ahead_total - self.ahead_own
+            if others:
+                parts.append(f"other owners ({others})")
+            out += "; ahead: " + ", ".join(parts)
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(
+            {k: v for k, v in self.__dict__.items() if v not in ("", 0, ())},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def loads(cls, raw: str | bytes) -> Pending | None:
+        """A stored record, or None if it is not one (a malformed or foreign value)."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or not isinstance(data.get("why"), str):
+                return None
+            for name in ("ahead", "preempting", "yielding"):
+                data[name] = tuple(tuple(x) if isinstance(x, list) else x
+                                   for x in data.get(name) or ())  # fmt: skip
+            return cls(**data)
+        except (ValueError, TypeError):
+            return None
 
 
 @dataclass
@@ -93,7 +157,7 @@ class Plan:
     place: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     preempt: list[tuple[Held, str]] = field(default_factory=list)  # victim, message
     # queue -> [(job id, reason)] in admission order (the first PENDING_DETAIL of each)
-    reasons: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    reasons: dict[str, list[tuple[str, Pending]]] = field(default_factory=dict)
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # per queue
 
 
@@ -113,10 +177,19 @@ def decide(
     caps: Mapping[str, int] | None = None,
     preempt_interval_s: float = 300.0,
     preemption: bool = True,
+    aging_s: float = 0.0,
+    aging_max: int = 0,
+    preempt_budget: int = 0,
 ) -> Plan:
     """One admission decision over plain values: which waiting attempts go where, who is
-    preempted, and why each of the others waits. ``workers[].free`` is consumed."""
+    preempted, and why each of the others waits. ``workers[].free`` is consumed.
+
+    Aging: a waiting attempt ranks ``+1`` priority per ``aging_s`` it has waited (since
+    ``Waiting.since``, as of ``now``), at most ``+aging_max`` (0: no aging); it moves it up
+    the admission order only, and preemption still compares base priorities. A job that
+    has yielded ``preempt_budget`` times is no longer a victim (0: no budget)."""
     caps = caps or {}
+    aged = {w.job_id: bonus for w in waiting if (bonus := _aged(w, now, aging_s, aging_max))}
     plan = Plan()
     usage = dict(usage)
     by_queue: dict[str, list[Waiting]] = defaultdict(list)
@@ -140,10 +213,9 @@ def decide(
         largest = max((wk.slot_procs for wk in workers_q), default=0)
         total_slots = sum(wk.slots for wk in workers_q)
         queue_free = sum(wk.free for wk in workers_q)
-        reasons: list[tuple[str, str]] = []
+        reasons: list[tuple[str, Pending]] = []
         ahead: dict[str, int] = defaultdict(int)  # owner -> jobs ahead so far
-        yielding = sorted({h.job_id for h in held_by_queue.get(queue, ()) if h.yielding})
-        checkpointing = f"; job(s) {', '.join(yielding)} are checkpointing to yield theirs"
+        yielding = tuple(sorted({h.job_id for h in held_by_queue.get(queue, ()) if h.yielding}))
         # Only the first job that waits for capacity may preempt (one preemption at a time
         # per queue, and never for a job behind one that waits); none while one is under way.
         may_preempt = preemption and not yielding
@@ -151,9 +223,11 @@ def decide(
         # does not fit tells the same to every later one of its size (cleared on placement).
         fitting: dict[int, int] = {}
         position = placed = 0
-        for job in _order(jobs, usage, gpu):
+        for job in _order(jobs, usage, gpu, aged):
             if position >= PENDING_DETAIL and queue_free == 0 and not may_preempt:
                 break  # nothing more can start here; the rest share the summary line
+            preempting: tuple[str, ...] = ()  # asked to yield for this job
+            checkpointing: tuple[str, ...] = ()  # yielding while this one waits for capacity
             why = _why_not(
                 job, workers_q, largest, total_slots, now, owner_held, default_cap, caps, gpu
             )
@@ -177,37 +251,65 @@ def decide(
                     f" on queue {queue}, {free} free"
                 )
                 if yielding:
-                    why += checkpointing
+                    checkpointing = yielding
                 elif may_preempt:
                     may_preempt = False
                     victims = _victims(job, workers_q, held_by_queue.get(queue, ()), now,
-                                       preempt_interval_s)  # fmt: skip
+                                       preempt_interval_s, preempt_budget)  # fmt: skip
                     if victims:
-                        names = ", ".join(v.job_id for v in victims)
                         msg = (
                             f"preempted by job {job.job_id} (priority {job.priority}) on queue"
                             f" {queue}; it resumes from its checkpoint when capacity frees"
                         )
                         plan.preempt += [(v, msg) for v in victims]
-                        why += f"; preempting lower-priority job(s) {names}"
+                        preempting = tuple(v.job_id for v in victims)
             position += 1  # among the jobs that still wait after this pass
             if position <= PENDING_DETAIL:
                 before = sorted(ahead.items(), key=lambda kv: -kv[1])[:AHEAD_NAMES]
-                who = ", ".join(f"{o} ({c})" for o, c in before)
-                tail = f"; ahead: {who}" if who else ""
-                reasons.append((job.job_id, f"position {position} in queue {queue}: {why}{tail}"))
+                reasons.append(
+                    (
+                        job.job_id,
+                        Pending(
+                            why,
+                            owner=job.owner,
+                            position=position,
+                            queue=queue,
+                            ahead=tuple(before),
+                            ahead_total=position - 1,
+                            ahead_own=ahead.get(job.owner, 0),
+                            preempting=preempting,
+                            yielding=checkpointing,
+                            aged=aged.get(job.job_id, 0),
+                        ),
+                    )
+                )
             ahead[job.owner] += 1
         plan.reasons[queue] = reasons
         plan.summary[queue] = {"queued": len(jobs) - placed, "detailed": len(reasons)}
     return plan
 
 
-def _order(jobs: Sequence[Waiting], usage: Mapping[str, float], gpu: bool) -> Iterable[Waiting]:
-    """Admission order of one queue: priority, then the owner with the least decayed use
-    (charged as each job is yielded, so owners of equal use alternate), then job id."""
+def _aged(job: Waiting, now: datetime, aging_s: float, aging_max: int) -> int:
+    """The priority ``job`` has gained by waiting: +1 per ``aging_s``, at most ``aging_max``."""
+    if aging_s <= 0 or aging_max <= 0 or job.since is None:
+        return 0
+    waited = (now - aware(job.since)).total_seconds()
+    return max(0, min(aging_max, int(waited // aging_s)))
+
+
+def _order(
+    jobs: Sequence[Waiting],
+    usage: Mapping[str, float],
+    gpu: bool,
+    aged: Mapping[str, int] | None = None,
+) -> Iterable[Waiting]:
+    """Admission order of one queue: priority (with what aging added), then the owner with
+    the least decayed use (charged as each job is yielded, so owners of equal use
+    alternate), then job id."""
+    aged = aged or {}
     by_level: dict[int, dict[str, list[Waiting]]] = defaultdict(lambda: defaultdict(list))
     for j in jobs:
-        by_level[j.priority][j.owner].append(j)
+        by_level[j.priority + aged.get(j.job_id, 0)][j.owner].append(j)
     for priority in sorted(by_level, reverse=True):
         owners = by_level[priority]
         heap = []
@@ -285,9 +387,11 @@ def _victims(
     held: Iterable[Held],
     now: datetime,
     interval_s: float,
+    budget: int = 0,
 ) -> list[Held]:
     """The fewest, newest strictly-lower-priority placed attempts whose slots would let
-    ``job`` be placed; [] if none would."""
+    ``job`` be placed; [] if none would. A job that has yielded ``budget`` times already
+    (0: no budget) is not a candidate."""
     cutoff = now - timedelta(seconds=interval_s)
     candidates = [
         h
@@ -295,6 +399,7 @@ def _victims(
         if h.priority < job.priority
         and not h.yielding
         and (h.preempted_at is None or aware(h.preempted_at) <= cutoff)
+        and not (budget and h.preemptions >= budget)
     ]
     # Lowest priority first, then newest (it loses the least work).
     candidates.sort(key=lambda h: (h.priority, -aware(h.created_at).timestamp()))

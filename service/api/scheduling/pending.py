@@ -1,5 +1,6 @@
 """What the admitter and the rest of the server tell each other outside SQL: the pending
-reasons a pass wrote (``{prefix}:pending``, read for ``GET /v1/jobs/{id}``), and the queued
+reasons a pass wrote (``{prefix}:pending``, records of ``decide.Pending`` as JSON, read for
+``GET /v1/jobs/{id}`` and told per viewer: other owners' names only to an admin), and the queued
 jobs cancelled since its last pass (``{prefix}:admit:gone``, so it forgets them at once)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from service.api.scheduling.decide import Pending
 from trainer.events import Keys
 
 __all__ = ["apending_reason", "gone_key", "note_cancelled", "pending_reason"]
@@ -32,27 +34,33 @@ def note_cancelled(redis: Any, prefix: str, job_ids: Iterable[str]) -> None:
             log.debug("admitter not told of cancelled jobs: %s", exc)
 
 
-def pending_reason(redis: Any, keys: Keys, job_id: str, queue: str) -> str | None:
-    """The admitter's last word on a queued job (None: it has not passed since)."""
+def pending_reason(redis: Any, keys: Keys, job_id: str, queue: str, *, admin: bool) -> str | None:
+    """The admitter's last word on a queued job (None: it has not passed since), as its
+    owner reads it (other owners counted, not named) or, ``admin``, with every name."""
     pipe = redis.pipeline(transaction=False)
     pipe.hget(f"{keys.prefix}:pending", job_id)
     pipe.hget(f"{keys.prefix}:pending:queues", queue)
     why, summary = pipe.execute()
-    return _reason_text(why, summary, queue)
+    return _reason_text(why, summary, queue, admin)
 
 
-async def apending_reason(redis: Any, keys: Keys, job_id: str, queue: str) -> str | None:
+async def apending_reason(
+    redis: Any, keys: Keys, job_id: str, queue: str, *, admin: bool
+) -> str | None:
     """``pending_reason`` on the event loop (a ``redis.asyncio`` client)."""
     pipe = redis.pipeline(transaction=False)
     pipe.hget(f"{keys.prefix}:pending", job_id)
     pipe.hget(f"{keys.prefix}:pending:queues", queue)
     why, summary = await pipe.execute()
-    return _reason_text(why, summary, queue)
+    return _reason_text(why, summary, queue, admin)
 
 
-def _reason_text(why: Any, summary: Any, queue: str) -> str | None:
+def _reason_text(why: Any, summary: Any, queue: str, admin: bool) -> str | None:
     if why is not None:
-        return str(why.decode() if isinstance(why, bytes) else why)
+        # A value that is not a record (written by an older admitter) is not shown: it may
+        # name other owners. The next pass replaces it.
+        record = Pending.loads(why)
+        return record.text(admin=admin) if record is not None else None
     if summary is None:
         return None
     try:

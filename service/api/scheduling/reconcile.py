@@ -8,8 +8,10 @@ replicas (a Redis lock with a token, released only by its holder).
   node that claimed it, or of any node of a running one, that has not reported its exit);
   ``service.api.jobs.state`` then retries the job with a new attempt in the same run directory (the
   trainer resumes from its checkpoint) while retries remain, else fails it with reason
-  ``lost``. The grace covers the moment between a
-  worker's exit event and its ingestion, when the heartbeat is already deleted.
+  ``lost``. A worker that has sent a node's exit event replaces its heartbeat by an
+  ``exited`` marker with a long TTL (one transaction, worker.watchers.Heartbeat.hand_over),
+  so an exit that ingest has not applied yet (an API under load, ingest lagging past the
+  grace) is never mistaken for a loss; the grace only covers beats that come late.
 - An attempt that was sent but that no worker claimed, and whose message is in no broker
   queue, is sent again (``resend_orphaned``, every ``orphan_check_s``): the broker lost its
   data (a Redis restart without persistence, a flush), or a worker died holding the
@@ -232,7 +234,12 @@ class Reconciler:
         pipe = self.redis.pipeline(transaction=False)
         for r, nodes in zip(rows, asked, strict=True):
             for n in nodes:
-                pipe.exists(self.keys.heartbeat(r.job_id, r.number, n))
+                # Its heartbeat, or the marker its worker leaves once the exit event is sent
+                # (an exit not yet ingested is not a loss: worker.supervise).
+                pipe.exists(
+                    self.keys.heartbeat(r.job_id, r.number, n),
+                    self.keys.exited(r.job_id, r.number, n),
+                )
                 pipe.exists(self.keys.claim(r.job_id, r.number, n))
         answers = iter(pipe.execute())
         now = utcnow()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -71,7 +72,9 @@ def list_queues(services: ServicesDep, principal: PrincipalDep) -> Response:
     """Each queue's capacity (live workers, slots, free slots, slot size, GPUs), its use, and
     its queued jobs by owner and priority (the admission order's inputs:
     service.api.scheduling.admit).
-    Queues that only have jobs (no worker) are listed too, with zero capacity."""
+    Queues that only have jobs (no worker) are listed too, with zero capacity. Other owners
+    are an admin's to see: anyone else reads their jobs as counts (``owner`` null), and
+    does not see a queue that only other owners' jobs name."""
     # The admitter's reading of each entry (a malformed one is left out, as it leaves it out).
     workers = [
         cap
@@ -104,13 +107,27 @@ def list_queues(services: ServicesDep, principal: PrincipalDep) -> Response:
                 .group_by(JOBS.c.queue, JOBS.c.owner)
             )
         )
+    me = None if principal.admin else principal.name
+
+    def shown(owner: str) -> str | None:
+        return owner if me is None or owner == me else None
+
     names = {q for w in workers for q in w.queues}
-    names |= {r[0] for r in queued} | {r[0] for r in held}
+    names |= {r[0] for r in queued + held if me is None or r[1] == me}
     items = []
     for name in sorted(names):
         serving = [w for w in workers if name in w.queues]
         gpu = any(w.gpus_per_slot for w in serving)
-        by_owner = [r for r in held if r[0] == name]
+        waiting: dict[tuple[int, str | None], int] = defaultdict(int)
+        for r in queued:
+            if r[0] == name:
+                waiting[(int(r[2]), shown(r[1]))] += int(r[3])
+        running: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
+        for r in held:
+            if r[0] == name:
+                group = running[shown(r[1])]
+                group[0] += int(r[2])
+                group[1] += int(r[4] if gpu else r[3])
         items.append(
             QueueOut(
                 name=name,
@@ -119,18 +136,23 @@ def list_queues(services: ServicesDep, principal: PrincipalDep) -> Response:
                 free_slots=sum(w.free for w in serving),
                 largest_slot_procs=max((w.slot_procs for w in serving), default=0),
                 gpus=sum(w.gpus_per_slot * w.slots for w in serving),
-                queued=sum(int(r[3]) for r in queued if r[0] == name),
-                running=sum(int(r[2]) for r in by_owner),
+                queued=sum(waiting.values()),
+                running=sum(jobs for jobs, _ in running.values()),
                 queued_by=[
-                    {"owner": r[1], "priority": r[2], "jobs": r[3]}
-                    for r in sorted(
-                        (r for r in queued if r[0] == name), key=lambda r: (-r[2], r[1])
+                    {"owner": owner, "priority": prio, "jobs": jobs}
+                    for (prio, owner), jobs in sorted(
+                        waiting.items(), key=lambda kv: (-kv[0][0], _last(kv[0][1]))
                     )
                 ],
                 running_by=[
-                    {"owner": r[1], "jobs": r[2], "units": int(r[4] if gpu else r[3])}
-                    for r in sorted(by_owner, key=lambda r: r[1])
+                    {"owner": owner, "jobs": jobs, "units": n}
+                    for owner, (jobs, n) in sorted(running.items(), key=lambda kv: _last(kv[0]))
                 ],
             )
         )
     return Response(QueueList(items=items).model_dump_json(), media_type="application/json")
+
+
+def _last(owner: str | None) -> tuple[bool, str]:
+    """Sort key: owners by name, the other owners' group (None) last."""
+    return (owner is None, owner or "")

@@ -24,13 +24,17 @@ class WorkerList(BaseModel):
 
 
 class QueuedGroup(BaseModel):
-    owner: str
+    owner: str | None = Field(
+        description="null: other owners' jobs, counted together (an admin sees names)"
+    )
     priority: int
     jobs: int
 
 
 class RunningGroup(BaseModel):
-    owner: str
+    owner: str | None = Field(
+        description="null: other owners' jobs, counted together (an admin sees names)"
+    )
     jobs: int
     units: int = Field(description="slots held (GPUs on a GPU queue)")
 
