@@ -2,10 +2,16 @@
 once, three rounds, no retries, while two CPU burners compete with the API and the workers.
 Nothing may end ``lost``: a node's exit that ingest applies late (past the 1 s heartbeat
 grace of the fast settings) is in flight, not a loss (worker.watchers.Heartbeat.hand_over,
-service.api.scheduling.reconcile)."""
+service.api.scheduling.reconcile).
+
+A soak, not a check: the deterministic tests of the same race are
+tests/api/test_reconcile.py::test_an_exit_sent_but_not_ingested_is_not_lost and its 2-node
+twin in tests/api/test_nodes.py. It takes minutes with its burners, so it runs only when
+TRAINQ_TEST_SOAK=1 (the suite's time stays inside CI's budget)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +23,13 @@ from tests.e2e.conftest import FAST_SETTINGS
 from tests.e2e.system import System, build_system, create_token
 from tests.e2e.test_system import TRAIN, Cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        os.environ.get("TRAINQ_TEST_SOAK") != "1", reason="a soak: set TRAINQ_TEST_SOAK=1"
+    ),
+]
 
 QUEUE = "e2e-gang-load"
 DONE = ("succeeded", "failed", "cancelled")
