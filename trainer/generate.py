@@ -11,10 +11,10 @@ cache (``DynamicCache``). ``use_cache=False`` recomputes the whole sequence each
 the training ``forward`` (the reference the cache is tested against).
 
 Sampling: ``temperature`` 0 (or below ``GREEDY_BELOW``) is greedy (argmax); else
-(logits - max) / temperature, then ``top_k``
-and ``top_p`` (nucleus, always keeping the top token) filters, then one draw per sequence from a ``torch.Generator``
-seeded with ``seed``, so a seed repeats exactly (on the same device and torch). ``n``
-sequences are decoded as one batch. A sequence ends at ``max_tokens``, at a stop string (its
+(logits - max) / temperature, then ``top_k`` and ``top_p`` (nucleus, always keeping the top
+token) filters, then one draw per sequence from a ``torch.Generator`` seeded with ``seed``,
+so a seed repeats exactly (on the same device and torch). ``n`` sequences are decoded as
+one batch. A sequence ends at ``max_tokens``, at a stop string (its
 text cut before it, as OpenAI does), or when the context (``seq_len``) is full; the finish
 reason is ``stop`` or ``length``.
 

@@ -15,7 +15,8 @@ Keys (``prefix`` defaults to ``trainq``); nothing a user typed is in them:
   worker stops that request at its next token
 
 Reply events (JSON in field ``e``), in order: ``start`` (the worker's registry name, step,
-load time, whether the model was already loaded, prompt tokens), ``delta`` per decoding step when streaming, then
+load time, whether the model was already loaded, prompt tokens), ``delta`` per decoding
+step when streaming, then
 ``end`` (the choices, finish reasons, usage) or, at any point instead, ``error`` (an HTTP
 status, a one-line message and the field it is about, if any).
 """

@@ -366,8 +366,8 @@ class Client:
         keep-alive comment, which restarts the read timeout) is followed by a look at the
         deadline; once less is left than the connection's read timeout, it is reopened
         (from Last-Event-ID, so nothing is lost) with the time left as its read timeout.
-        A queued job's stream (keep-alive comments only) cannot hold the caller past it. The service being
-        unreachable for more than ``outage_s`` in a row raises Unreachable.
+        A queued job's stream (keep-alive comments only) cannot hold the caller past it.
+        The service being unreachable for more than ``outage_s`` in a row raises Unreachable.
 
         With ``pending_every_s``, the job's record is read when following starts and, while
         the job is queued and its stream is quiet, at most that often; a change of its
