@@ -10,10 +10,11 @@ trainer/llama.py) over a preallocated ``KVCache``; the hf family uses transforme
 cache (``DynamicCache``). ``use_cache=False`` recomputes the whole sequence each step with
 the training ``forward`` (the reference the cache is tested against).
 
-Sampling: ``temperature`` 0 is greedy (argmax); else logits / temperature, then ``top_k``
-and ``top_p`` (nucleus) filters, then one draw per sequence from a ``torch.Generator``
-seeded with ``seed``, so a seed repeats exactly (on the same device and torch). ``n``
-sequences are decoded as one batch. A sequence ends at ``max_tokens``, at a stop string (its
+Sampling: ``temperature`` 0 (or below ``GREEDY_BELOW``) is greedy (argmax); else
+(logits - max) / temperature, then ``top_k`` and ``top_p`` (nucleus, always keeping the top
+token) filters, then one draw per sequence from a ``torch.Generator`` seeded with ``seed``,
+so a seed repeats exactly (on the same device and torch). ``n`` sequences are decoded as
+one batch. A sequence ends at ``max_tokens``, at a stop string (its
 text cut before it, as OpenAI does), or when the context (``seq_len``) is full; the finish
 reason is ``stop`` or ``length``.
 
@@ -177,20 +178,32 @@ class Sampling:
     n: int = 1
 
 
+# Below this a temperature is greedy: dividing by it would turn every logit gap into an
+# infinity (1e-45 is a valid float and a valid request), and the draw would be the argmax.
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, params: Sampling, gen: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``logits`` ``[B, vocab]``."""
+    """One token per row of ``logits`` ``[B, vocab]``.
+
+    Computed so that no valid parameter yields inf or nan: the max logit is subtracted
+    before dividing by the temperature (every value is then <= 0, the best exactly 0), and
+    top_p always keeps the most likely token, however small top_p is.
+    """
     logits = logits.float()
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         ordered, order = logits.sort(dim=-1, descending=True)
         probs = ordered.softmax(dim=-1)
-        # Drop a token when the ones above it already reach top_p (the first always stays).
+        # Drop a token when the ones above it already reach top_p. The first always stays:
+        # a top_p below float32's range compares as 0, which would drop every token.
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop[:, 0] = False
         ordered = ordered.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     probs = logits.softmax(dim=-1)
@@ -216,7 +229,7 @@ def generate_ids(
     steps = min(params.max_tokens, limit - len(prompt) + 1)
     device = next(model.parameters()).device
     gen = None
-    if params.temperature != 0:
+    if params.temperature >= GREEDY_BELOW:
         gen = torch.Generator(device=device)
         drawn = params.seed if seed is None else seed
         gen.manual_seed(drawn if drawn is not None else secrets.randbits(63))
@@ -421,4 +434,4 @@ def complete(
                 tail.append((c.index, text, []))
     if on_delta is not None and tail:
         on_delta(tail)
-    return Completion(choices, len(prompt), seed if params.temperature != 0 else None)
+    return Completion(choices, len(prompt), seed if params.temperature >= GREEDY_BELOW else None)

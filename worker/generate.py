@@ -341,6 +341,7 @@ class GenerationServer:
         )
         start = {
             "type": "start",
+            "worker": self.ctx.name,  # the API fails the request if this worker goes stale
             "step": loaded.step,
             "load_s": round(loaded.load_s, 4),
             "cached": cached,

@@ -14,8 +14,9 @@ Keys (``prefix`` defaults to ``trainq``); nothing a user typed is in them:
 - ``{prefix}:gen:cancel:{request id}``  set by the API when its client went away; the
   worker stops that request at its next token
 
-Reply events (JSON in field ``e``), in order: ``start`` (step, load time, whether the model
-was already loaded, prompt tokens), ``delta`` per decoding step when streaming, then
+Reply events (JSON in field ``e``), in order: ``start`` (the worker's registry name, step,
+load time, whether the model was already loaded, prompt tokens), ``delta`` per decoding
+step when streaming, then
 ``end`` (the choices, finish reasons, usage) or, at any point instead, ``error`` (an HTTP
 status, a one-line message and the field it is about, if any).
 """

@@ -87,6 +87,9 @@ CONNECT_TIMEOUT_S = 10.0
 # While a followed job is queued its stream is silent; its record is read this often for the
 # pending reason ("position 3 in queue gpu", "no worker serves queue gpu").
 PENDING_EVERY_S = 5.0
+# The name parse_sse gives a keep-alive comment when asked to yield them (no trainq stream
+# sends an event of that name).
+KEEPALIVE = ": keepalive"
 
 
 def check_url(url: str, name: str = "TRAINQ_URL") -> str:
@@ -320,18 +323,20 @@ class Client:
         last_event_id: str | None = None,
         read_timeout: float = SSE_READ_TIMEOUT_S,
         connect_timeout: float = CONNECT_TIMEOUT_S,
+        keepalives: bool = False,
     ) -> Generator[SseEvent, None, None]:
         """One connection to the job's SSE stream; ends when the server closes it.
 
         ``read_timeout`` bounds each wait for a line; the server sends a keep-alive comment
         every ping interval, so a timeout longer than that only ends a stuck connection.
+        With ``keepalives``, each comment is yielded too, as an event named ``KEEPALIVE``.
         """
         headers = {"Accept": "text/event-stream"}
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
         timeout = httpx.Timeout(connect_timeout, read=read_timeout)
         with self._stream(job_id, "events", headers=headers, timeout=timeout) as response:
-            yield from parse_sse(response.iter_lines())
+            yield from parse_sse(response.iter_lines(), keepalives=keepalives)
 
     @contextlib.contextmanager
     def _stream(self, job_id: str, what: str, **kwargs: Any) -> Iterator[httpx.Response]:
@@ -357,9 +362,12 @@ class Client:
 
         ``deadline`` (a ``time.monotonic()`` value) raises TimeoutError once it passes, in
         every state: each connection's connect and read timeouts and the sleep between
-        connections are bounded by the time left, so a silent stream (a queued job sends
-        only keep-alive comments) cannot hold the caller past it. The service being
-        unreachable for more than ``outage_s`` in a row raises Unreachable.
+        connections are bounded by the time left, and whatever arrives (an event or a
+        keep-alive comment, which restarts the read timeout) is followed by a look at the
+        deadline; once less is left than the connection's read timeout, it is reopened
+        (from Last-Event-ID, so nothing is lost) with the time left as its read timeout.
+        A queued job's stream (keep-alive comments only) cannot hold the caller past it.
+        The service being unreachable for more than ``outage_s`` in a row raises Unreachable.
 
         With ``pending_every_s``, the job's record is read when following starts and, while
         the job is queued and its stream is quiet, at most that often; a change of its
@@ -403,12 +411,20 @@ class Client:
                     last_event_id=last_id,
                     read_timeout=read_timeout,
                     connect_timeout=left(CONNECT_TIMEOUT_S),
+                    keepalives=deadline is not None,
                 )
                 closed = True  # by the server, as opposed to by us to read the record
                 try:
                     with contextlib.closing(connection):
                         for ev in connection:
                             down_since = None
+                            if ev.event == KEEPALIVE:
+                                # The read timeout starts again at each comment: the next
+                                # wait must not outlast the deadline.
+                                if left(read_timeout) < read_timeout:
+                                    closed = False
+                                    break
+                                continue
                             if ev.id:
                                 last_id = ev.id
                             status = ev.data.get("status") if ev.event == "status" else None
@@ -464,8 +480,9 @@ def _is_read_timeout(exc: BaseException) -> bool:
     return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
-def parse_sse(lines: Iterator[str]) -> Iterator[SseEvent]:
-    """Server-Sent Events framing: ``id:``, ``event:``, ``data:``; a blank line dispatches."""
+def parse_sse(lines: Iterator[str], *, keepalives: bool = False) -> Iterator[SseEvent]:
+    """Server-Sent Events framing: ``id:``, ``event:``, ``data:``; a blank line dispatches.
+    A comment (``: ping``) is skipped, or with ``keepalives`` yielded as ``KEEPALIVE``."""
     event, entry_id = "message", None
     data: list[str] = []
     for raw in lines:
@@ -482,6 +499,8 @@ def parse_sse(lines: Iterator[str]) -> Iterator[SseEvent]:
             event, data, entry_id = "message", [], None
             continue
         if line.startswith(":"):
+            if keepalives:
+                yield SseEvent(KEEPALIVE, {})
             continue  # a keep-alive comment
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value

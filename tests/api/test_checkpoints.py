@@ -163,6 +163,31 @@ def test_range_resumes_and_if_range_guards_it(
     assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{size}"
 
 
+def test_head_answers_what_get_would_without_a_body(
+    api: Api, sim: Callable[..., WorkerSim], trained: Path
+) -> None:
+    job_id = _job_with_run(api, sim, trained)
+    url = f"/v1/jobs/{job_id}/checkpoints/latest/download"
+    with Uvicorn(api.app) as server, httpx.Client(base_url=server.url) as client:
+        for params in ({}, {"format": "hf"}):
+            full = client.get(url, params=params, headers=api.headers())
+            head = client.head(url, params=params, headers=api.headers())
+            assert head.status_code == 200 and head.content == b"", head.status_code
+            for name in ("content-length", "etag", "accept-ranges", "x-trainq-step",
+                         "content-type", "content-disposition"):  # fmt: skip
+                assert head.headers[name] == full.headers[name], name
+            assert int(head.headers["content-length"]) == len(full.content)
+        # A range, as GET would answer it; and the same errors as GET.
+        ranged = client.head(url, headers={**api.headers(), "Range": "bytes=0-99"})
+        assert ranged.status_code == 206 and ranged.headers["content-length"] == "100"
+        assert ranged.headers["content-range"].startswith("bytes 0-99/")
+        missing = client.head(f"/v1/jobs/{job_id}/checkpoints/7/download", headers=api.headers())
+        assert missing.status_code == 404 and missing.content == b""
+        assert client.head(url).status_code == 401
+        # The server goes on serving (the archive HEAD opened was closed).
+        assert client.get(url, headers=api.headers()).status_code == 200
+
+
 def test_bad_input_ownership_and_missing_checkpoints(
     api: Api, sim: Callable[..., WorkerSim], trained: Path
 ) -> None:

@@ -340,3 +340,80 @@ def test_sse_tail_replays_only_the_newest_events(
     got = [e["id"] for e in _parse(lines[1:]) if "id" in e]
     assert len(entries) > 10
     assert got == [e[0].decode() for e in entries[-3:]], (got, len(entries))
+
+
+def test_refused_streams_leave_healthz_answering_and_cost_no_lookup(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    """Past the per-owner cap a stream is refused before anything else is done for it (no
+    SQL, thread-pool hop or Redis call: a job that does not exist is a 429 too), and while
+    a bounded burst of them is refused, /healthz answers. The timings are in
+    bench/sse_refused.py; the bound here only guards against a hang."""
+    import asyncio
+
+    cap, burst = 3, 120
+    app = create_app(
+        make_settings(redis_prefix=api.settings.redis_prefix, sse_max_streams_per_owner=cap)
+    )
+    services = app.state.services
+    with services.sessions() as session, session.begin():
+        from service.api.core.auth import create_token
+
+        token = create_token(session, api.user)
+    job = api.submit()
+    sim(job["id"]).running()
+    auth = {"Authorization": f"Bearer {token}"}
+
+    async def get(port: int, path: str, hold: asyncio.Event) -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {auth['Authorization']}"
+                "\r\n\r\n".encode()
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+            status = int(head.split(b" ", 2)[1])
+            if status == 200:
+                await hold.wait()
+            return status
+        finally:
+            writer.close()
+
+    async def storm(port: int) -> tuple[list[int], list[int]]:
+        hold = asyncio.Event()
+        path = f"/v1/jobs/{job['id']}/events"
+        held = [asyncio.create_task(get(port, path, hold)) for _ in range(cap)]
+        for _ in range(200):  # the cap's streams are open
+            if services.hub.open.get(api.user) == cap:
+                break
+            await asyncio.sleep(0.05)
+        assert services.hub.open.get(api.user) == cap
+        probes: list[int] = []
+        stop = threading.Event()
+
+        def probe() -> None:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                while not stop.is_set():
+                    probes.append(c.get("/healthz").status_code)
+                    stop.wait(0.02)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            refused = await asyncio.gather(*(get(port, path, hold) for _ in range(burst)))
+            # A job id nobody has: refused at the cap all the same, never looked up.
+            refused.append(await get(port, "/v1/jobs/ffffffffffffffff/events", hold))
+        finally:
+            stop.set()
+            await asyncio.to_thread(prober.join, 60)
+            hold.set()
+        return refused, [*probes, *await asyncio.gather(*held)]
+
+    with Uvicorn(app) as server:
+        refused, answered = asyncio.run(storm(server.port))
+        assert set(refused) == {429}, sorted(set(refused))
+        probes, held = answered[:-cap], answered[-cap:]
+        assert held == [200] * cap
+        assert probes and set(probes) == {200}, probes
+        assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
+    assert services.hub.open == {}, "every stream was counted out"

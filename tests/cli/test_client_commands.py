@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -197,6 +198,32 @@ def test_submit_wait_timeout_holds_while_the_job_is_queued(
     line = one_line(r.err)
     assert line.startswith("trainq: error: gave up waiting after 3s: "), line
     assert f"job {job_id} stays queued (no worker serves queue {NO_WORKER})" in line
+
+
+def test_submit_wait_timeout_holds_while_keepalives_arrive(
+    cli_system: CliSystem, trainq: Run, unserved: list[str]
+) -> None:
+    # An API that pings every 0.3 s: each keep-alive comment restarts the read timeout, so
+    # a deadline looked at only between events (or left to the read timeout) never comes.
+    system = cli_system.system
+    system.env["TRAINQ_SSE_PING_S"] = "0.3"
+    try:
+        chatty = system.start_api(auth=False)
+    finally:
+        del system.env["TRAINQ_SSE_PING_S"]
+    r = trainq(*unserved, "--wait", "--timeout", "3", url=chatty.url, timeout=60)
+    assert r.code == EXIT_TIMEOUT, r
+    job_id = _job_id(r.out)
+    line = one_line(r.err)
+    assert line.startswith("trainq: error: gave up waiting after 3s: "), line
+    assert f"job {job_id} stays queued (no worker serves queue {NO_WORKER})" in line
+    # The stream did send keep-alives while the job waited (so the test tests them).
+    with (
+        httpx.stream("GET", f"{chatty.url}/v1/jobs/{job_id}/events", timeout=5) as stream,
+        contextlib.closing(stream.iter_lines()) as lines,
+    ):
+        assert any(line.startswith(":") for line, _ in zip(lines, range(20), strict=False))
+    chatty.proc.stop()
 
 
 def test_follow_says_why_it_waits_and_how_to_cancel_on_timeout(

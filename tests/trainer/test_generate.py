@@ -101,6 +101,34 @@ def test_a_seed_repeats_exactly_and_another_seed_differs() -> None:
     assert run(Sampling(max_tokens=12, top_k=1, seed=9))[0] == greedy(model, 12)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        Sampling(max_tokens=8, temperature=1e-45, seed=1),
+        Sampling(max_tokens=8, temperature=1e-6, seed=1),
+        Sampling(max_tokens=8, temperature=1e-4, seed=1),
+        Sampling(max_tokens=8, top_p=1e-300, seed=1),
+        Sampling(max_tokens=8, temperature=1e-4, top_p=1e-300, top_k=3, seed=1),
+    ],
+    ids=["t1e-45", "t1e-6", "t1e-4", "top_p1e-300", "all-tiny"],
+)
+def test_extreme_valid_sampling_parameters_give_the_argmax_not_nan(params: Sampling) -> None:
+    # Logits with wide gaps: divided by a tiny temperature they overflow unless the max is
+    # subtracted first, and a top_p below float32's range once dropped every token.
+    model = tiny(FAMILIES["llama"])
+    got = complete(model, ByteTokenizer(), PROMPT, params).choices[0].token_ids
+    assert got == greedy(model, 8)
+
+
+def test_sampling_rows_with_huge_logits_stay_finite() -> None:
+    from trainer.generate import sample
+
+    logits = torch.tensor([[3e38, -3e38, 0.0], [1.0, 2.0, 1e30]])
+    gen = torch.Generator().manual_seed(0)
+    for params in (Sampling(temperature=1e-30), Sampling(temperature=0.5, top_p=1e-300)):
+        assert sample(logits, params, gen).tolist() == [0, 2]
+
+
 def test_the_byte_stream_never_splits_a_character() -> None:
     text = "é€😀 ok"
     dec = ByteTokenizer().stream()

@@ -136,8 +136,16 @@ class _ArchiveResponse(StreamingResponse):
             self.archive.close()
 
 
+_DOWNLOAD = "/v1/jobs/{job_id}/checkpoints/{step}/download"
+FormatParam = Annotated[
+    Format, Query(description="native: the trainer's files; hf: the Hugging Face folder")
+]
+RangeHeader = Annotated[str | None, Header(alias="range", max_length=200)]
+IfRangeHeader = Annotated[str | None, Header(max_length=200)]
+
+
 @router.get(
-    "/v1/jobs/{job_id}/checkpoints/{step}/download",
+    _DOWNLOAD,
     response_class=StreamingResponse,
     responses={
         200: {"content": {"application/x-tar": {"schema": {"type": "string"}}}},
@@ -151,21 +159,48 @@ async def download_checkpoint(
     step: StepParam,
     services: ServicesDep,
     principal: PrincipalDep,
-    format: Annotated[
-        Format, Query(description="native: the trainer's files; hf: the Hugging Face folder")
-    ] = "native",
-    range_: Annotated[str | None, Header(alias="range", max_length=200)] = None,
-    if_range: Annotated[str | None, Header(max_length=200)] = None,
+    format: FormatParam = "native",
+    range_: RangeHeader = None,
+    if_range: IfRangeHeader = None,
 ) -> Response:
     """A checkpoint as a tar archive streamed from its files (no copy made): ``native`` (what
     a resume and ``trainer.export --checkpoint`` read) or ``hf`` (config.json and
     model.safetensors for ``transformers``' from_pretrained). ``latest`` names the newest.
     Member names are relative (``tar -x -C DIR``); Content-Length is exact, and a single
     ``Range`` (with ``If-Range`` and the ETag) resumes a download."""
-    found, archive = await run_in_threadpool(_archive, services, principal, job_id, step, format)
+    return await _download(services, principal, job_id, step, format, range_, if_range)
+
+
+@router.head(_DOWNLOAD, responses={200: {"description": "the download's headers"}, **_ERRORS})
+async def head_checkpoint(
+    job_id: JobId,
+    step: StepParam,
+    services: ServicesDep,
+    principal: PrincipalDep,
+    format: FormatParam = "native",
+    range_: RangeHeader = None,
+    if_range: IfRangeHeader = None,
+) -> Response:
+    """The download's status and headers (Content-Length, ETag, Accept-Ranges), no body."""
+    return await _download(services, principal, job_id, step, format, range_, if_range, head=True)
+
+
+async def _download(
+    services: Services,
+    principal: Principal,
+    job_id: str,
+    step: str,
+    fmt: Format,
+    range_: str | None,
+    if_range: str | None,
+    *,
+    head: bool = False,
+) -> Response:
+    """GET's answer; with ``head`` the same status and headers, the archive closed unread."""
+    found, archive = await run_in_threadpool(_archive, services, principal, job_id, step, fmt)
     etag = archive.etag
     headers = {
-        "Content-Disposition": f'attachment; filename="{job_id}-step-{found}-{format}.tar"',
+        "Content-Disposition": f'attachment; filename="{job_id}-step-{found}-{fmt}.tar"',
         "Accept-Ranges": "bytes",
         "ETag": etag,
         "X-Trainq-Step": str(found),
@@ -182,6 +217,9 @@ async def download_checkpoint(
     if isinstance(wanted, tuple):
         status = 206
         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{archive.size}"
+    if head:
+        archive.close()
+        return Response(status_code=status, headers=headers, media_type="application/x-tar")
     return _ArchiveResponse(
         archive,
         content=archive.body(start, stop),

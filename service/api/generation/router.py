@@ -5,9 +5,12 @@ Generation runs on a worker serving the job's queue, not here (service.api.gener
 it). Answers: 200 (a ``text_completion``, or with ``stream`` Server-Sent Events as OpenAI
 sends them, ending with ``data: [DONE]``); 404 a job that is not the caller's or an unknown
 step; 409 a job without a complete checkpoint, or one that cannot be loaded; 422 a parameter
-out of bounds or a prompt longer than the context; 503 no live worker on the queue; 504 the
-generation deadline (``TRAINQ_GENERATE_TIMEOUT_S``). Once a stream has started, a later
-error arrives as ``data: {"error": {...}}`` and the stream ends.
+out of bounds or a prompt longer than the context; 502 the worker that took the request left
+the registry (``TRAINQ_WORKER_STALE_S`` without a beat: killed or cut off); 503 no live worker
+on the queue, or Redis unreachable; 504 the generation deadline
+(``TRAINQ_GENERATE_TIMEOUT_S``). Once a stream has started, a later error (any of these)
+arrives as ``data: {"error": {"message", "type", "code"}}`` and the stream ends without
+``[DONE]``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ router = APIRouter(tags=["generate"])
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RESPONSES: dict[int | str, Any] = {
     **errors(401, 404, 409, 429),
+    502: {"description": "the worker generating the answer stopped (TRAINQ_WORKER_STALE_S)"},
     504: {"description": "the generation deadline passed (TRAINQ_GENERATE_TIMEOUT_S)"},
     200: {
         "description": "a text_completion object, or with stream=true its chunks as SSE",

@@ -21,12 +21,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+from redis import RedisError
 from sqlalchemy import select
 
 from service.api.checkpoints.files import checkpoints_dir, complete_steps
 from service.api.core.auth import Principal
 from service.api.core.deps import Services
-from service.api.core.errors import Conflict, InvalidInput, NotFound, TrainqError, Unavailable
+from service.api.core.errors import (
+    Conflict,
+    InvalidInput,
+    NotFound,
+    RedisUnavailable,
+    TrainqError,
+    Unavailable,
+)
 from service.api.core.models import JOBS
 from service.api.generation.inflight import GRACE_S
 from service.api.scheduling.ratelimit import owner_hash
@@ -46,11 +54,13 @@ __all__ = [
     "GatewayTimeout",
     "GenerateBody",
     "Relay",
+    "WorkerLost",
     "prepare",
 ]
 
 MODEL_PATTERN = r"^[0-9a-f]{1,32}(:[0-9]{1,10})?$"
 REQUEST_STREAM_MAXLEN = 10_000
+LIVENESS_S = 1.0  # how often a relay looks whether its worker is still in the registry
 
 TokenId = Annotated[int, Field(ge=0, lt=LIMITS.token_id)]
 PromptText = Annotated[str, StringConstraints(max_length=LIMITS.prompt_chars)]
@@ -60,6 +70,13 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=LIMITS.st
 
 class GatewayTimeout(TrainqError):
     status_code = 504
+
+
+class WorkerLost(TrainqError):
+    """The worker that took the request left the registry (killed, or cut off from Redis)
+    before it answered: the request fails now rather than at its deadline."""
+
+    status_code = 502
 
 
 class WorkerError(TrainqError):
@@ -250,18 +267,33 @@ class Relay:
         queue = self.target.queue
         if not any(queue in (w.get("queues") or ()) and not w.get("draining") for w in workers):
             raise Unavailable(f"no live worker serves queue {queue}; generation runs on one")
-        await self.services.aredis.xadd(
-            request_stream(queue, self.services.settings.redis_prefix),
-            self.request.to_entry(),
-            maxlen=REQUEST_STREAM_MAXLEN,
-            approximate=True,
-        )
+        try:
+            await self.services.aredis.xadd(
+                request_stream(queue, self.services.settings.redis_prefix),
+                self.request.to_entry(),
+                maxlen=REQUEST_STREAM_MAXLEN,
+                approximate=True,
+            )
+        except RedisError as exc:
+            raise _redis_lost(exc) from exc
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """The worker's events in order; raises the answer of an error event or a timeout."""
+        """The worker's events in order; raises the answer of an error event, of a timeout,
+        of the worker leaving the registry (WorkerLost) or of Redis failing (503)."""
+        try:
+            async for event in self._events():
+                yield event
+        except RedisError as exc:
+            self.done = True
+            raise _redis_lost(exc) from exc
+
+    async def _events(self) -> AsyncIterator[dict[str, Any]]:
         aredis = self.services.aredis
-        ping_ms = int(self.services.settings.sse_ping_s * 1000)
+        # Blocks no longer than the liveness period, so a lost worker is seen between reads.
+        block_ms = int(min(self.services.settings.sse_ping_s, LIVENESS_S) * 1000)
         ends_at = self.request.deadline + GRACE_S
+        worker: str | None = None  # known from the start event (an older worker omits it)
+        looked = time.monotonic()
         while True:
             left = ends_at - time.time()
             if left <= 0:
@@ -270,7 +302,10 @@ class Relay:
                     f"no answer from a worker of queue {self.target.queue} within "
                     f"{self.services.settings.generate_timeout_s:g} s (TRAINQ_GENERATE_TIMEOUT_S)"
                 )
-            block = max(1, min(ping_ms, int(left * 1000)))
+            if worker is not None and time.monotonic() - looked >= LIVENESS_S:
+                looked = time.monotonic()
+                await self._check_alive(worker)
+            block = max(1, min(block_ms, int(left * 1000)))
             got = await aredis.xread({self.reply: self.cursor}, count=100, block=block)
             for _, entries in got or ():
                 for entry_id, fields in entries:
@@ -279,11 +314,27 @@ class Relay:
                     if event["type"] == "error":
                         self.done = True
                         raise _error(event)
+                    if event["type"] == "start" and isinstance(event.get("worker"), str):
+                        worker = event["worker"]
                     if event["type"] == "end":
                         self.done = True
                     yield event
                     if self.done:
                         return
+
+    async def _check_alive(self, worker: str) -> None:
+        """WorkerLost once ``worker`` is no longer a live registry entry: it has not beaten
+        for ``TRAINQ_WORKER_STALE_S`` (a kill), or it removed its entry (a shutdown that did
+        not answer)."""
+        live = await self.services.alive_workers()
+        if any(w.get("name") == worker for w in live):
+            return
+        self.done = True
+        stale = self.services.settings.worker_stale_s
+        raise WorkerLost(
+            f"worker {worker} stopped during the generation (not seen in the worker registry "
+            f"for {stale:g} s, TRAINQ_WORKER_STALE_S); try again"
+        )
 
     async def close(self) -> None:
         """Drop the reply stream; if the answer was not complete, tell the worker to stop."""
@@ -295,6 +346,12 @@ class Relay:
             await aredis.delete(self.reply)
         except Exception:  # Redis away: the stream's TTL removes it
             pass
+
+
+def _redis_lost(exc: RedisError) -> RedisUnavailable:
+    return RedisUnavailable(
+        f"Redis became unreachable during the generation ({type(exc).__name__}); try again"
+    )
 
 
 def _error(event: dict[str, Any]) -> TrainqError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -56,18 +56,20 @@ def _require(services: Services, principal: Principal, job_id: str) -> None:
             raise NotFound(f"job {job_id} not found")
 
 
+def _slot(services: Services, principal: Principal) -> Callable[[], None]:
+    """Count a new stream against the stream limits before anything else (a 429 beyond):
+    a refused stream costs no SQL, no thread-pool hop and no Redis call, so a burst of
+    refusals cannot crowd out the process's other requests (``/healthz`` included)."""
+    return services.hub.admit(principal.name)
+
+
 async def _follow(
-    request: Request, services: Services, principal: Principal, job_id: str, cursor: str
+    services: Services, job_id: str, cursor: str, release: Callable[[], None]
 ) -> Follower:
-    """A follower of the job's stream, counted against the stream limits (a 429 beyond)."""
-    release = services.hub.admit(principal.name)
-    try:
-        follower = await services.hub.follow(
-            services.keys.job(job_id), cursor, _status_reader(services, job_id)
-        )
-    except BaseException:
-        release()
-        raise
+    """A follower of the job's stream that gives its slot (``_slot``) back when it closes."""
+    follower = await services.hub.follow(
+        services.keys.job(job_id), cursor, _status_reader(services, job_id)
+    )
     follower.on_close = release
     return follower
 
@@ -221,12 +223,20 @@ async def job_logs(
     attempt: Annotated[int | None, Query(ge=1, le=1000)] = None,
 ) -> Response:
     """Log lines as text, one per line with its rank; follow=true keeps streaming until the end."""
-    lines, seen = await run_in_threadpool(
-        _log_tail, services, principal, job_id, tail, rank, attempt, follow
-    )
     if not follow:
+        lines, _ = await run_in_threadpool(
+            _log_tail, services, principal, job_id, tail, rank, attempt, False
+        )
         return Response("".join(lines), media_type="text/plain; charset=utf-8")
-    follower = await _follow(request, services, principal, job_id, "0-0")
+    release = _slot(services, principal)
+    try:
+        lines, seen = await run_in_threadpool(
+            _log_tail, services, principal, job_id, tail, rank, attempt, True
+        )
+        follower = await _follow(services, job_id, "0-0", release)
+    except BaseException:
+        release()
+        raise
 
     async def body() -> AsyncIterator[bytes]:
         if lines:
@@ -264,15 +274,20 @@ async def job_events(
     ] = None,
 ) -> StreamingResponse:
     """Server-Sent Events of a job; the id is the Redis entry id, so Last-Event-ID resumes."""
-    await run_in_threadpool(_require, services, principal, job_id)
-    cursor = last_event_id if last_event_id and is_entry_id(last_event_id) else "0-0"
-    if tail is not None and cursor == "0-0":
-        # Start after the entry N+1 from the end: a page opens a long job with the recent
-        # events, its history from the metrics and logs routes.
-        newest = await services.aredis.xrevrange(services.keys.job(job_id), count=tail + 1)
-        if len(newest) == tail + 1:
-            cursor = _entry_text(newest[-1][0])
-    follower = await _follow(request, services, principal, job_id, cursor)
+    release = _slot(services, principal)
+    try:
+        await run_in_threadpool(_require, services, principal, job_id)
+        cursor = last_event_id if last_event_id and is_entry_id(last_event_id) else "0-0"
+        if tail is not None and cursor == "0-0":
+            # Start after the entry N+1 from the end: a page opens a long job with the
+            # recent events, its history from the metrics and logs routes.
+            newest = await services.aredis.xrevrange(services.keys.job(job_id), count=tail + 1)
+            if len(newest) == tail + 1:
+                cursor = _entry_text(newest[-1][0])
+        follower = await _follow(services, job_id, cursor, release)
+    except BaseException:
+        release()
+        raise
     return StreamingResponse(
         _guarded(request, services, sse_events(follower, _tick_s(services)), sse=True),
         media_type="text/event-stream",
