@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,9 @@ REDIS_PORT = int(os.environ.get("TRAINQ_TEST_REDIS_PORT", "6379"))
 PG_ADMIN_URL = os.environ.get(
     "TRAINQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+# How long a session waits for a Redis database number while other sessions hold all 14;
+# under pytest-timeout's 300 s a test, so the error that names the holders comes first.
+CLAIM_WAIT_S = 240.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,16 +76,33 @@ class RedisDBs:
         self.claimed: list[int] = []
 
     def claim(self) -> int:
+        """A free database number, waiting (up to CLAIM_WAIT_S) while other sessions hold all
+        of them: sessions side by side on a busy machine take turns instead of failing."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while (n := self._try_claim()) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no free Redis database number (2..15) for this test session after "
+                    f"{CLAIM_WAIT_S:g} s; held by sessions {self._holders()}"
+                )
+            time.sleep(0.5)
+        self.claimed.append(n)
+        import redis
+
+        redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
+        return n
+
+    def _try_claim(self) -> int | None:
         for n in range(2, 16):
             key = f"trainq-test:db:{n}"
             self._release_if_dead(key)
             if self._admin.set(key, self._token, nx=True, ex=4 * 3600):
-                self.claimed.append(n)
-                import redis
-
-                redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=n).flushdb()
                 return n
-        raise RuntimeError("no free Redis database number (2..15) for this test session")
+        return None
+
+    def _holders(self) -> list[str]:
+        keys = [f"trainq-test:db:{n}" for n in range(2, 16)]
+        return sorted({v.decode() for v in self._admin.mget(keys) if v is not None})
 
     def _release_if_dead(self, key: str) -> None:
         """A claim whose test session died (killed, timed out) is freed at once, not in 4 h."""

@@ -42,6 +42,22 @@ def trainq_argv() -> list[str]:
     return [sys.executable, *TRAINQ]
 
 
+# Exec'd in place of the command, with SIGINT back to its default first.
+_CTRL_C_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def as_in_a_terminal(argv: list[str]) -> list[str]:
+    """``argv`` run with Ctrl-C's default disposition, as a shell in a terminal runs it.
+
+    A suite started in the background (``pytest &`` in a script, a CI runner, an agent's
+    shell) runs with SIGINT ignored; a child inherits that, Python then raises no
+    KeyboardInterrupt, and a test's Ctrl-C does nothing. The command is exec'd (same pid)."""
+    return [sys.executable, "-c", _CTRL_C_DEFAULT, *argv]
+
+
 @dataclass
 class Result:
     code: int

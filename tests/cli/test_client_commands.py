@@ -27,7 +27,7 @@ from service.cli.client import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
 )
-from tests.cli.conftest import CliSystem, Run, one_line, trainq_argv
+from tests.cli.conftest import CliSystem, Run, as_in_a_terminal, one_line, trainq_argv
 from tests.e2e.system import create_token, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,30 +125,29 @@ def test_submit_wait_failure_exits_1_with_the_reason(cli_system: CliSystem, trai
 def test_submit_wait_cancel_exits_3(cli_system: CliSystem, trainq: Run) -> None:
     spec = cli_system.spec("cli-cancel", steps=100_000)
     env = {**cli_system.system.env, "TRAINQ_URL": cli_system.api.url}
-    waiter = subprocess.Popen(
+    with subprocess.Popen(
         [*trainq_argv(), "submit", str(spec), "--wait"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert waiter.stdout is not None
-        job_id = _job_id(waiter.stdout.readline())
-        with cli_system.api.client() as http:
-            wait_for(
-                lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "running",
-                90,
-                "the job to run",
-                every=0.2,
-            )
-        r = trainq("cancel", job_id, url=cli_system.api.url)
-        assert r.code == 0 and r.out.startswith(f"job {job_id} cancel"), r
-        out, err = waiter.communicate(timeout=90)
-    finally:
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.wait()
+    ) as waiter:  # its pipes are closed however the test ends (-W error: no ResourceWarning)
+        try:
+            assert waiter.stdout is not None
+            job_id = _job_id(waiter.stdout.readline())
+            with cli_system.api.client() as http:
+                wait_for(
+                    lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "running",
+                    90,
+                    "the job to run",
+                    every=0.2,
+                )
+            r = trainq("cancel", job_id, url=cli_system.api.url)
+            assert r.code == 0 and r.out.startswith(f"job {job_id} cancel"), r
+            out, err = waiter.communicate(timeout=90)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
     assert waiter.returncode == EXIT_CANCELLED, (out, err)
     assert f"job {job_id} cancelled" in one_line(err)
 
@@ -250,23 +249,22 @@ def test_ctrl_c_while_following_exits_130_and_says_the_job_stays(
     cli_system: CliSystem, unserved: list[str]
 ) -> None:
     env = {**cli_system.system.env, "TRAINQ_URL": cli_system.api.url}
-    waiter = subprocess.Popen(
-        [*trainq_argv(), *unserved, "--follow"],
+    with subprocess.Popen(
+        as_in_a_terminal([*trainq_argv(), *unserved, "--follow"]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert waiter.stdout is not None
-        job_id = _job_id(waiter.stdout.readline())
-        assert waiter.stdout.readline().startswith("waiting: no worker serves queue")
-        waiter.send_signal(signal.SIGINT)
-        out, err = waiter.communicate(timeout=60)
-    finally:
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.wait()
+    ) as waiter:
+        try:
+            assert waiter.stdout is not None
+            job_id = _job_id(waiter.stdout.readline())
+            assert waiter.stdout.readline().startswith("waiting: no worker serves queue")
+            waiter.send_signal(signal.SIGINT)
+            out, err = waiter.communicate(timeout=60)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
     assert waiter.returncode == 130, (out, err)
     line = one_line(err)
     assert line.startswith(f"trainq: stopped waiting (Ctrl-C): job {job_id} stays queued"), line

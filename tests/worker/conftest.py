@@ -55,14 +55,27 @@ def new_job() -> str:
     return f"j{uuid.uuid4().hex[:10]}"
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, step: float = 0.1) -> Any:
+def wait_for(
+    pred: Callable[[], Any],
+    timeout: float,
+    what: str,
+    step: float = 0.1,
+    progress: Callable[[], Any] | None = None,
+) -> Any:
+    """Poll until ``pred()`` is truthy; fail after ``timeout`` s. With ``progress``, the
+    ``timeout`` s count from the last change of ``progress()``: a run that keeps reporting
+    is slow (a loaded machine), not stuck, and is waited for."""
     deadline = time.monotonic() + timeout
+    seen = progress() if progress is not None else None
     while True:
         value = pred()
         if value:
             return value
+        if progress is not None and (now := progress()) != seen:
+            seen, deadline = now, time.monotonic() + timeout
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            idle = " with no progress" if progress is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s{idle} waiting for {what}")
         time.sleep(step)
 
 
@@ -136,13 +149,18 @@ class Wire:
                 if e.kind == "lifecycle" and (attempt is None or e.attempt == attempt)]  # fmt: skip
 
     def exited(self, job_id: str, attempt: int, timeout: float = 90) -> dict[str, Any]:
+        """The attempt's exit event; fails once the job's stream has not grown for
+        ``timeout`` s: a live run keeps appending metrics and logs, so on a loaded machine
+        a slow run is waited for, and a stuck one is not."""
+
         def find() -> dict[str, Any] | None:
             for d in self.lifecycle(job_id, attempt):
                 if d["phase"] == "exited":
                     return d
             return None
 
-        return wait_for(find, timeout, f"the exit of {job_id}:{attempt}", 0.2)
+        return wait_for(find, timeout, f"the exit of {job_id}:{attempt}", 0.2,
+                        progress=lambda: self.r.xlen(self.keys.job(job_id)))  # fmt: skip
 
     def metrics(self, job_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
         return [e.data for e in self.events(job_id)
