@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, run_dir: Path, env: TrainerEnv) -> int:
     try:
         cfg = load_config(args.config)
-        data_dir = resolve_data_path(cfg.data.path, args.data_root, allow_absolute=True)
+        data_dir = resolve_data_path(
+            cfg.data.path, args.data_root, allow_absolute=True, dataset=cfg.data.dataset
+        )
         model = resolve_model_path(cfg.model, args.data_root)
         cfg = resolve_init_path(cfg.model_copy(update={"model": model}), args.data_root)
     except ConfigError as exc:
