@@ -23,7 +23,7 @@ from service.api.jobs.state import cancel_job
 from service.api.jobs.submit import submit_one
 from service.api.scheduling.limits import OwnerLimits, apply_runtime_rules, check_priority
 from service.api.scheduling.pending import apending_reason, note_cancelled, pending_reason
-from service.api.scheduling.retention import delete_jobs
+from service.api.scheduling.retention import delete_jobs, starting_from
 from service.api.streams.notify import publish_status, signal_cancel
 from trainer.config import ConfigError, HFModelConfig, reject_nul, resolve_data_path
 from trainer.plan import plan
@@ -432,6 +432,10 @@ def delete_job(job_id: JobId, services: ServicesDep, principal: PrincipalDep) ->
     if row["status"] not in TERMINAL:
         then = "wait until it has stopped" if row["status"] == "cancelling" else "cancel it first"
         raise Conflict(f"job {job_id} is {row['status']}; {then}")
+    with services.sessions() as session:
+        users = starting_from(session, [job_id])
+    if users:
+        raise Conflict(_held_message(principal, job_id, users))
     settings = services.settings
     deleted = delete_jobs(
         services.sessions,
@@ -441,6 +445,20 @@ def delete_job(job_id: JobId, services: ServicesDep, principal: PrincipalDep) ->
         redis=services.redis,
         keys=services.keys,
     )
-    if not deleted:  # deleted meanwhile by another request, or by the retention pass
+    if not deleted:  # deleted meanwhile, or named as an init.job meanwhile (a retry says which)
         raise NotFound(f"job {job_id} not found")
     return Response(status_code=204)
+
+
+def _held_message(principal: Principal, job_id: str, users: list[tuple[str, str, str]]) -> str:
+    """The 409 of a job that active jobs start from: the caller's own (an admin: all) by id,
+    other owners' only counted."""
+    shown = [j for _, j, owner in users if principal.admin or owner == principal.name]
+    others = len(users) - len(shown)
+    named = ", ".join(shown)
+    if others:
+        named += f"{' and ' if shown else ''}{others} job(s) of other owners"
+    return (
+        f"job {job_id} is the train.init.job of queued or running job(s) {named}; it is kept"
+        " until they end (cancel them or wait)"
+    )
