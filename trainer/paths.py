@@ -61,6 +61,8 @@ def dataset_folder(owner: str, name: str) -> str:
 
 
 def _parts(path: str, field: str) -> list[str]:
+    if "\x00" in path:  # no file system takes it (and os.lstat raises ValueError)
+        raise PathRefused(f"{field} must not contain NUL (U+0000) characters")
     if path.startswith("/"):
         raise PathRefused(f"{field} must be relative to the data root, got an absolute path")
     parts = path.split("/")

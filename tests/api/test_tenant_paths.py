@@ -21,7 +21,7 @@ from sqlalchemy import insert, update
 from service.api.core.models import JOBS, new_job_id, utcnow
 from service.api.scheduling.retention import delete_jobs
 from tests.api.support import Api
-from tests.api.test_datasets import ready, upload
+from tests.api.test_datasets import ready, upload, wait_done
 from trainer.paths import owner_key
 
 SECRET = "ALICE-SECRET-KEY=hunter2\n" * 200
@@ -240,3 +240,20 @@ def test_hand_made_paths_keep_working_in_the_shared_area(api: Api) -> None:
     resp = api.client.post("/v1/jobs", json=job(api.queue, data={"path": rel}),
                            params={"dry_run": "true"}, headers=api.headers())  # fmt: skip
     assert resp.status_code == 200, resp.text
+
+
+def test_a_tokenizer_that_does_not_load_says_so_without_quoting_it(api: Api) -> None:
+    """``?tokenizer=`` was an oracle: the parser's error quoted the file. Now the reason
+    names the tokenizer as the tenant did, and says only that it does not load."""
+    root = Path(api.settings.data_root)
+    folder = root / f"badtok-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"version": "1.0",\n  "model": ALICE-SECRET}')
+    resp = upload(api, b"hello world\n" * 50, name="bad", tokenizer=folder.name)
+    assert resp.status_code == 202, resp.text
+    found = wait_done(api, "bad")
+    assert found["status"] == "failed", found
+    reason = str(found["reason"])
+    assert "cannot be loaded as a Hugging Face tokenizer.json" in reason, reason
+    for leak in (str(root), "ALICE", "line 2", "column"):
+        assert leak not in reason, reason
