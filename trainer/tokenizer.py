@@ -37,9 +37,9 @@ def dataset_tokenizer(data_dir: str | os.PathLike[str]) -> Literal["byte"] | Pat
     in ``data_dir`` (a folder already resolved under the data root).
 
     A ``tokenizer.json`` in the folder wins (a link is refused, never followed); without
-    one, ``meta.json`` (read without following a link) decides: no meta.json (shards written by hand) or ``"byte"`` is bytes,
-    an absolute path (a dataset from before tokenizers were copied in) is that file if it is
-    still there. TokenizerError otherwise."""
+    one, ``meta.json`` (read without following a link) decides: no meta.json (shards
+    written by hand) or ``"byte"`` is bytes, an absolute path (a dataset from before
+    tokenizers were copied in) is that file if it is still there. TokenizerError otherwise."""
     folder = Path(data_dir)
     local = folder / TOKENIZER_FILE
     if local.is_symlink():
