@@ -9,6 +9,8 @@ shared area. Each try is a 422 naming the field, with no absolute path and no fi
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -22,7 +24,10 @@ from service.api.core.models import JOBS, new_job_id, utcnow
 from service.api.scheduling.retention import delete_jobs
 from tests.api.support import Api
 from tests.api.test_datasets import ready, upload, wait_done
+from tests.api.test_submit import _broker
+from trainer.config import frozen_data_path
 from trainer.paths import owner_key
+from worker.message import JobMessage
 
 SECRET = "ALICE-SECRET-KEY=hunter2\n" * 200
 TINY = {"n_layer": 1, "n_head": 1, "d_model": 8, "seq_len": 8, "vocab_size": 256}
@@ -63,6 +68,11 @@ def spellings(api: Api, found: dict[str, Any]) -> list[str]:
         f"{shared}/{owner_key(api.user)}/corp",  # a link to datasets/
         f"{out}/{root.name}/{folder}",  # a link out of the root, and back in
     ]
+
+
+def _message(raw: dict[str, Any]) -> JobMessage:
+    args, _kwargs, _embed = json.loads(base64.b64decode(raw["body"]))
+    return JobMessage.from_json(args[0])
 
 
 def job(queue: str, **train: Any) -> dict[str, Any]:
@@ -124,6 +134,11 @@ def test_the_owner_reaches_her_upload_only_by_name_and_the_error_says_so(
                               headers=mine)  # fmt: skip
     assert by_name.status_code == 201, by_name.text
     assert by_name.json()["train"]["data"] == {"dataset": "corp", "path": alice["path"]}
+    # the worker's message names the owner, so the worker can check the frozen folder's key
+    sent = [_message(m) for m in _broker(api)]
+    assert [(m.job_id, m.owner) for m in sent] == [(by_name.json()["id"], api.user)]
+    frozen = frozen_data_path(sent[0].train, api.settings.data_root, sent[0].owner)
+    assert frozen == Path(api.settings.data_root).resolve() / alice["path"]
     # bob's data.dataset names his own namespace: hers is not found for him
     theirs = api.client.post("/v1/jobs", json=job(api.queue, data={"dataset": "corp"}),
                              headers=api.headers(api.other_token))  # fmt: skip
