@@ -58,14 +58,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _known_failure(env: TrainerEnv, run_dir: Path, code: ExitCode, message: str) -> int:
+def _known_failure(
+    env: TrainerEnv, run_dir: Path, code: ExitCode, message: str, data_root: str | None = None
+) -> int:
     # Every rank hits a config or data error alike; rank 0 speaks for all of them.
+    message = _relative(message, run_dir, data_root)
     if env.is_main:
         print(f"trainer: error: {message}", file=sys.stderr, flush=True)
         write_exit_file(run_dir, "spec_error", message, rank=env.rank, step=None, exit_code=code)
     else:
         _await_verdict(run_dir, "spec_error")
     return code
+
+
+def _relative(message: str, run_dir: Path, data_root: str | None) -> str:
+    """The message with the server's absolute folders spelled as the spec names them: a
+    path under the data root relative to it, the run folder as ``the run folder`` (the
+    messages are written that way; this catches what a library's message adds)."""
+    pairs = [(str(run_dir.resolve()), "the run folder"), (str(run_dir), "the run folder")]
+    if data_root is not None:
+        pairs += [(str(Path(data_root).resolve()), ""), (str(data_root), "")]
+    for folder, said in sorted(pairs, key=lambda p: -len(p[0])):
+        if len(folder) > 1:
+            message = message.replace(folder + os.sep, f"{said}/" if said else "")
+            message = message.replace(folder, said or ".")
+    return message
 
 
 def _await_verdict(run_dir: Path, reason: str, timeout_s: float = 10.0) -> None:
@@ -112,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, run_dir: Path, env: TrainerEnv) -> int:
     try:
         cfg = load_config(args.config)
-        data_dir = resolve_data_path(cfg.data.path, args.data_root, allow_absolute=True)
+        data_dir = resolve_data_path(
+            cfg.data.path, args.data_root, allow_absolute=True, dataset=cfg.data.dataset
+        )
         model = resolve_model_path(cfg.model, args.data_root)
         cfg = resolve_init_path(cfg.model_copy(update={"model": model}), args.data_root)
     except ConfigError as exc:
-        return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc))
+        return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc), args.data_root)
 
     from trainer.checkpoint import CheckpointError  # torch from here on
     from trainer.data import DataError
@@ -125,9 +144,9 @@ def _main(args: argparse.Namespace, run_dir: Path, env: TrainerEnv) -> int:
     try:
         code = train(cfg, run_dir, data_dir, env)
     except (ConfigError, CheckpointError) as exc:
-        return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc))
+        return _known_failure(env, run_dir, ExitCode.SPEC_ERROR, str(exc), args.data_root)
     except DataError as exc:
-        return _known_failure(env, run_dir, ExitCode.DATA_ERROR, str(exc))
+        return _known_failure(env, run_dir, ExitCode.DATA_ERROR, str(exc), args.data_root)
     if code == ExitCode.OK and env.is_main:
         # The finished run's Hugging Face folder (checkpoint.hf), from its last checkpoint on
         # disk, after the process group and the training state are gone; never fails the run.

@@ -23,6 +23,9 @@ from pydantic import (
     model_validator,
 )
 
+from trainer.files import first_link
+from trainer.paths import PathRefused, resolve_under
+
 __all__ = [
     "DEFAULT_LORA_TARGETS",
     "AnyModelConfig",
@@ -39,6 +42,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
+    "frozen_data_path",
     "load_config",
     "lora_matches",
     "reject_nul",
@@ -331,26 +335,37 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> TrainConfig:
 
 
 def resolve_data_path(
-    path: str, root: str | os.PathLike[str] | None, *, allow_absolute: bool = False
+    path: str,
+    root: str | os.PathLike[str] | None,
+    *,
+    allow_absolute: bool = False,
+    field: str = "data.path",
+    dataset: str | None = None,
+    owner: str | None = None,
 ) -> Path:
-    """Resolve a spec's data path against the data root; refuse anything that leaves the root.
+    """Resolve a path of a spec (``field``) against the data root by the one rule of
+    ``trainer.paths.resolve_under``: a plain relative path in the shared area, no link on
+    the way, never ``datasets/`` (but ``dataset``'s own frozen folder, see there).
 
-    A relative path must still be inside the root once `..` and symlinks are resolved. An
-    absolute path is refused unless `allow_absolute` (the trainer run by hand may name any
-    folder; a spec sent to the service may not). Without a root, the path is taken as given.
-    """
-    candidate = Path(path)
-    if candidate.is_absolute():
-        if allow_absolute:
-            return candidate.resolve()
-        raise ConfigError(f"data.path must be relative to the data root, got absolute {path!r}")
-    if root is None:
-        return candidate.resolve()
-    root_path = Path(root).resolve()
-    resolved = (root_path / candidate).resolve()
-    if not resolved.is_relative_to(root_path):
-        raise ConfigError(f"data.path {path!r} resolves outside the data root")
-    return resolved
+    Without a root (the trainer run by hand) the path is taken as given, and an absolute
+    path only with ``allow_absolute`` (a spec sent to the service never has one)."""
+    if root is None or (allow_absolute and Path(path).is_absolute()):
+        if Path(path).is_absolute() and not allow_absolute:
+            raise ConfigError(f"{field} must be relative to the data root, got an absolute path")
+        return Path(path).resolve()
+    try:
+        return resolve_under(root, path, field, dataset=dataset, owner=owner)
+    except PathRefused as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def frozen_data_path(
+    cfg: TrainConfig, root: str | os.PathLike[str] | None, owner: str | None = None
+) -> Path:
+    """A stored spec's ``data.path`` (its ``data.dataset``'s frozen folder allowed)."""
+    return resolve_data_path(
+        cfg.data.path, root, allow_absolute=root is None, dataset=cfg.data.dataset, owner=owner
+    )
 
 
 def resolve_model_path(
@@ -360,11 +375,24 @@ def resolve_model_path(
     data paths); other families as they are."""
     if not isinstance(cfg, HFModelConfig):
         return cfg
-    folder = resolve_data_path(cfg.path, data_root, allow_absolute=data_root is None)
+    folder = resolve_data_path(
+        cfg.path, data_root, allow_absolute=data_root is None, field="model.path"
+    )
     if not folder.is_dir():
         raise ConfigError(f"model.path {cfg.path!r} is not a folder under the data root")
+    require_no_links(folder, f"model.path {cfg.path!r}")
     require_extra("transformers", "model.family hf")
     return cfg.model_copy(update={"path": str(folder)})
+
+
+def require_no_links(folder: Path, label: str) -> None:
+    """ConfigError when ``folder``'s tree holds a symbolic link: a folder that other code
+    opens by path (transformers, safetensors, torch.distributed.checkpoint) must lead
+    nowhere else (``trainer.paths``)."""
+    link = first_link(folder)
+    if link is not None:
+        where = "" if link == "." else f": {link}"
+        raise ConfigError(f"{label} holds a symbolic link{where}; links are not followed")
 
 
 def require_extra(package: str, what: str) -> None:
@@ -380,9 +408,8 @@ def resolve_init_path(cfg: TrainConfig, data_root: str | os.PathLike[str] | None
     """``train.init.path`` resolved against the data root (the escape rules of data paths)."""
     if cfg.init is None or cfg.init.path is None:
         return cfg
-    try:
-        folder = resolve_data_path(cfg.init.path, data_root, allow_absolute=data_root is None)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("data.path", "init.path", 1)) from None
+    folder = resolve_data_path(
+        cfg.init.path, data_root, allow_absolute=data_root is None, field="init.path"
+    )
     require_extra("safetensors", "init.path")
     return cfg.model_copy(update={"init": cfg.init.model_copy(update={"path": str(folder)})})

@@ -22,6 +22,7 @@ Only :meth:`BatchSampler.batch` needs torch, and imports it itself, so the shard
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import tempfile
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.files import make_dirs, set_mode
+from trainer.files import NotPlainFile, make_dirs, open_dir, open_plain, read_plain, set_mode
 
 if TYPE_CHECKING:
     import torch
@@ -99,77 +100,138 @@ def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
         raise
 
 
-def open_shard(path: str | os.PathLike[str]) -> np.memmap:
-    """Validate a shard's header and size, and memory-map its tokens (read-only uint16)."""
-    path = Path(path)
+def _shard_file(path: Path, dir_fd: int | None, name: str) -> int:
+    """A descriptor of the shard, opened without following a link (trainer.files)."""
     try:
-        size = path.stat().st_size
+        return open_plain(path.name if dir_fd is not None else path, dir_fd=dir_fd)
     except FileNotFoundError:
-        raise DataError(f"shard {path} does not exist") from None
+        raise DataError(f"shard {name} does not exist") from None
+    except NotPlainFile as exc:
+        raise DataError(
+            f"shard {name} {exc.strerror}: shards are read as regular files, never through a link"
+        ) from None
     except OSError as exc:
-        raise DataError(f"shard {path}: cannot stat: {exc.strerror}") from exc
-    if size < HEADER_BYTES:
-        raise DataError(
-            f"shard {path} is {size} bytes, shorter than its {HEADER_BYTES}-byte header"
-        )
-    try:
-        header = np.fromfile(path, dtype=_HEADER_DTYPE, count=HEADER_INTS)
-    except OSError as exc:
-        raise DataError(f"shard {path}: cannot read header: {exc}") from exc
-    magic, version, count = (int(v) for v in header[:3])
-    if magic != MAGIC:
-        raise DataError(
-            f"shard {path} has magic number {magic}, expected {MAGIC} (not an llm.c token shard)"
-        )
-    if version != VERSION:
-        raise DataError(f"shard {path} has version {version}, expected {VERSION} (uint16 tokens)")
-    if count <= 0:
-        raise DataError(f"shard {path} header says {count} tokens; a shard needs at least one")
-    expected = HEADER_BYTES + count * _TOKEN_DTYPE.itemsize
-    if size < expected:
-        raise DataError(
-            f"shard {path} is truncated: header says {count} tokens ({expected} bytes), "
-            f"file has {size} bytes"
-        )
-    if size > expected:
-        raise DataError(
-            f"shard {path} has {size - expected} trailing bytes after its {count} tokens "
-            f"(header and size disagree)"
-        )
-    return np.memmap(path, dtype=_TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+        raise DataError(f"shard {name}: cannot open: {exc.strerror}") from None
 
 
-def find_shards(folder: str | os.PathLike[str], split: str) -> list[Path]:
-    """The sorted ``{split}*.bin`` shards in ``folder``; DataError when there are none."""
+def open_shard(
+    path: str | os.PathLike[str], *, dir_fd: int | None = None, label: str | None = None
+) -> np.memmap:
+    """Validate a shard's header and size, and memory-map its tokens (read-only uint16).
+
+    The file is opened without following a link (relative to ``dir_fd``, its folder, when
+    given). Messages name it as ``label`` (default: ``path``) and never quote its bytes: a
+    wrong header is said to be wrong, not what it holds."""
+    path = Path(path)
+    name = label or str(path)
+    fd = _shard_file(path, dir_fd, name)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            raise DataError(
+                f"shard {name} is {size} bytes, shorter than its {HEADER_BYTES}-byte header"
+            )
+        header = np.frombuffer(os.pread(fd, HEADER_BYTES, 0), dtype=_HEADER_DTYPE)
+        magic, version, count = (int(v) for v in header[:3])
+        if magic != MAGIC:
+            raise DataError(
+                f"shard {name} is not an llm.c token shard (its header lacks the magic number"
+                f" {MAGIC})"
+            )
+        if version != VERSION:
+            raise DataError(f"shard {name} has a header version other than {VERSION} (uint16)")
+        if count <= 0:
+            raise DataError(f"shard {name}: its header counts no tokens; a shard needs one")
+        expected = HEADER_BYTES + count * _TOKEN_DTYPE.itemsize
+        if size < expected:
+            raise DataError(
+                f"shard {name} is truncated: its {size} bytes are fewer than its header's"
+                " token count needs"
+            )
+        if size > expected:
+            raise DataError(
+                f"shard {name} has trailing bytes after the tokens its header counts"
+                " (header and size disagree)"
+            )
+        # The map keeps its own reference to the file: closing ``f`` leaves it valid.
+        return np.memmap(f, dtype=_TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def find_shards(
+    folder: str | os.PathLike[str],
+    split: str,
+    *,
+    dir_fd: int | None = None,
+    label: str | None = None,
+) -> list[Path]:
+    """The sorted ``{split}*.bin`` shards in ``folder`` (listed through ``dir_fd`` when
+    given); DataError when there are none, or when one is a symbolic link (never followed)."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     folder = Path(folder)
-    if not folder.exists():
-        raise DataError(f"data folder {folder} does not exist")
-    if not folder.is_dir():
-        raise DataError(f"data folder {folder} is not a directory")
-    shards = sorted(p for p in folder.glob(f"{split}*.bin") if p.is_file())
+    name = label or str(folder)
+    if dir_fd is None:
+        if not folder.exists():
+            raise DataError(f"data folder {name} does not exist")
+        if not folder.is_dir():
+            raise DataError(f"data folder {name} is not a directory")
+    shards = []
+    with os.scandir(dir_fd if dir_fd is not None else folder) as entries:
+        for entry in entries:
+            if not fnmatch.fnmatchcase(entry.name, f"{split}*.bin"):
+                continue
+            if entry.is_symlink():
+                raise DataError(
+                    f"data folder {name}: {entry.name} is a symbolic link; links in data"
+                    " folders are not followed"
+                )
+            if entry.is_file(follow_symlinks=False):
+                shards.append(folder / entry.name)
     if not shards:
-        raise DataError(f"data folder {folder} has no {split} shards ({split}*.bin)")
-    return shards
+        raise DataError(f"data folder {name} has no {split} shards ({split}*.bin)")
+    return sorted(shards)
+
+
+def _open_folder(folder: Path, name: str) -> int:
+    try:
+        return open_dir(folder)
+    except FileNotFoundError:
+        raise DataError(f"data folder {name} does not exist") from None
+    except NotPlainFile:
+        raise DataError(f"data folder {name} is a symbolic link; links are not followed") from None
+    except NotADirectoryError:
+        raise DataError(f"data folder {name} is not a directory") from None
+    except OSError as exc:
+        raise DataError(f"data folder {name}: cannot open: {exc.strerror}") from None
 
 
 class TokenDataset:
     """Every shard of one split, memory-mapped, as ``num_samples`` windows of seq_len+1 tokens.
 
     Window ``i`` is ``x = w[:-1]``, ``y = w[1:]``. Windows do not overlap and never cross a
-    shard boundary; a shard's tail shorter than a window is not used.
+    shard boundary; a shard's tail shorter than a window is not used. The folder and its
+    shards are opened without following links; messages name them by ``label`` (the spec's
+    ``data.path``; default: the folder as given), never by the server's absolute path.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], split: str, seq_len: int) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], split: str, seq_len: int, label: str | None = None
+    ) -> None:
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
         self.folder = Path(folder)
+        self.label = label or str(self.folder)
         self.split = split
         self.seq_len = seq_len
         self.window = seq_len + 1
-        self.paths = find_shards(self.folder, split)
-        self.shards: list[np.memmap] = [open_shard(p) for p in self.paths]
+        dir_fd = _open_folder(self.folder, self.label)
+        try:
+            self.paths = find_shards(self.folder, split, dir_fd=dir_fd, label=self.label)
+            self.shards: list[np.memmap] = [
+                open_shard(p, dir_fd=dir_fd, label=f"{self.label}/{p.name}") for p in self.paths
+            ]
+        finally:
+            os.close(dir_fd)
         self.num_tokens = sum(int(s.shape[0]) for s in self.shards)
         counts = np.array([s.shape[0] // self.window for s in self.shards], dtype=np.int64)
         # _starts[k] is the global index of shard k's first window; _starts[-1] == num_samples.
@@ -177,7 +239,7 @@ class TokenDataset:
         self.num_samples = int(self._starts[-1])
         if self.num_samples == 0:
             raise DataError(
-                f"data folder {self.folder}: the {split} split has {self.num_tokens} tokens, "
+                f"data folder {self.label}: the {split} split has {self.num_tokens} tokens, "
                 f"fewer than one window of seq_len+1 = {self.window}"
             )
         self._offsets = np.arange(self.window, dtype=np.int64)
@@ -214,7 +276,7 @@ def _meta_vocab(folder: Path, splits: Iterable[TokenDataset]) -> int | None:
     token count for each split must be the shards' (a meta.json left beside shards made
     later, by another tool or another prepare, says nothing about them)."""
     try:
-        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+        meta = json.loads(read_plain(folder / META_FILE, limit=1 << 20))
         vocab = meta["vocab_size"]
         counts = {split: meta[f"{split}_tokens"] for split in SPLITS}
     except (OSError, ValueError, TypeError, KeyError):

@@ -69,7 +69,10 @@ def run_tokenizer(
     path = config or run_dir / "config.json"
     if not path.is_file():
         return None
-    data_dir = resolve_data_path(load_config(path).data.path, data_root, allow_absolute=True)
+    cfg = load_config(path)
+    data_dir = resolve_data_path(
+        cfg.data.path, data_root, allow_absolute=True, dataset=cfg.data.dataset
+    )
     if not data_dir.is_dir():
         print(f"trainer.export: note: the run's dataset {data_dir} is not there (--data-root?): "
               "no tokenizer is exported", file=sys.stderr)  # fmt: skip

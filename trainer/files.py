@@ -22,10 +22,24 @@ Standard library only: the worker and the light CLI import it without torch.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["DIR_MODE", "FILE_MODE", "UMASK", "fix_tree", "make_dirs", "set_mode"]
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "UMASK",
+    "NotPlainFile",
+    "first_link",
+    "fix_tree",
+    "make_dirs",
+    "open_dir",
+    "open_plain",
+    "read_plain",
+    "set_mode",
+]
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -73,3 +87,67 @@ def fix_tree(root: Path) -> None:
             p = os.path.join(folder, name)
             if not os.path.islink(p):
                 os.chmod(p, FILE_MODE)
+
+
+# -- reading what a spec leads to, never through a link ----------------------------------
+#
+# Every file a job's spec leads to (shards, meta.json, tokenizer.json, a model folder's
+# files, an init checkpoint) is opened with O_NOFOLLOW, relative to its folder's descriptor
+# where there is one, and must be a regular file: a link placed in a folder of the data
+# root (by mistake or not) could lead anywhere, another owner's upload included
+# (trainer.paths states the rule). Messages name no file's bytes and no absolute path.
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO cannot block
+
+
+class NotPlainFile(OSError):
+    """A symbolic link, or not a regular file (a folder, a FIFO, a device) where a regular
+    file was expected. The message is short and names no path: callers add their label."""
+
+
+def open_dir(path: str | os.PathLike[str]) -> int:
+    """A descriptor of the folder ``path``, which must not itself be a link."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise NotPlainFile(errno.ELOOP, "is a symbolic link") from None
+        raise
+
+
+def open_plain(name: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """Open a regular file for reading without following a link (relative to ``dir_fd``)."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotPlainFile(errno.ELOOP, "is a symbolic link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotPlainFile(errno.EINVAL, "is not a regular file")
+    return fd
+
+
+def read_plain(
+    name: str | os.PathLike[str], *, dir_fd: int | None = None, limit: int = 1 << 30
+) -> bytes:
+    """The bytes of a regular file (at most ``limit``), opened as `open_plain` does."""
+    fd = open_plain(name, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit)
+
+
+def first_link(folder: str | os.PathLike[str]) -> str | None:
+    """The first symbolic link found in ``folder``'s tree (itself included), relative to
+    it; None when it holds none. For folders that other code opens by path (transformers'
+    ``from_pretrained``, ``torch.distributed.checkpoint``), checked just before."""
+    root = Path(folder)
+    if root.is_symlink():
+        return "."
+    for here, dirs, files in os.walk(root):  # followlinks=False: a link is listed, not entered
+        for name in (*dirs, *files):
+            p = os.path.join(here, name)
+            if os.path.islink(p):
+                return os.path.relpath(p, root)
+    return None

@@ -30,6 +30,7 @@ from trainer.config import (
     InitConfig,
     LlamaConfig,
     TrainConfig,
+    require_no_links,
     resolve_data_path,
 )
 from trainer.files import FILE_MODE, make_dirs, set_mode
@@ -68,15 +69,19 @@ class _Source:
 
 def _resolve(init: InitConfig, data_root: str | os.PathLike[str] | None, run_dir: Path) -> _Source:
     if init.path is not None:
-        try:
-            folder = resolve_data_path(init.path, data_root, allow_absolute=data_root is None)
-        except ConfigError as exc:
-            raise ConfigError(str(exc).replace("data.path", "init.path", 1)) from None
+        folder = resolve_data_path(
+            init.path, data_root, allow_absolute=data_root is None, field="init.path"
+        )
         if not folder.is_dir():
             raise ConfigError(f"init.path {init.path!r} is not a folder under the data root")
+        require_no_links(folder, f"init.path {init.path!r}")
         return _Source(init.path, folder=folder)
     assert init.job is not None  # InitConfig names exactly one
     job_dir = run_dir.parent / init.job
+    if job_dir.is_symlink() or (job_dir / "checkpoints").is_symlink():
+        raise ConfigError(
+            f"init.job {init.job!r}: its run folder is a link; links are not followed"
+        )
     if not job_dir.is_dir():
         raise ConfigError(f"init.job {init.job!r}: no such job has a run folder here")
     found = dict(checkpoint_dirs(job_dir))
@@ -86,6 +91,7 @@ def _resolve(init: InitConfig, data_root: str | os.PathLike[str] | None, run_dir
     if step not in found:
         steps = ", ".join(map(str, sorted(found)))
         raise ConfigError(f"init.job {init.job!r} has no checkpoint at step {step} ({steps} only)")
+    require_no_links(found[step], f"init.job {init.job!r} step {step}")
     return _Source(f"job {init.job} step {step}", checkpoint=found[step])
 
 

@@ -38,8 +38,8 @@ def _config_json(folder: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"model.path {folder.name!r} has no config.json") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.path {folder.name!r}: config.json is unreadable: {exc}") from exc
+    except (OSError, ValueError):  # not the parser's words: they would quote the file
+        raise ConfigError(f"model.path {folder.name!r}: config.json is unreadable") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"model.path {folder.name!r}: config.json is not an object")
     return raw

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,6 +21,7 @@ from trainer.config import (
     TrainConfig,
     resolve_data_path,
 )
+from trainer.files import NotPlainFile, read_plain
 
 __all__ = ["Linear", "Shape", "hf_shape", "model_shape", "read_hf_config"]
 
@@ -278,11 +278,10 @@ def read_hf_config(path: str, data_root: str | os.PathLike[str] | None) -> dict[
     if data_root is None:
         raise ValueError("no data root is known here to read config.json from")
     try:
-        file = resolve_data_path(path, data_root) / "config.json"
-        with open(file, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{path}/config.json is not a regular file")
-            raw = f.read(MAX_HF_CONFIG_BYTES + 1)
+        file = resolve_data_path(path, data_root, field="model.path") / "config.json"
+        raw = read_plain(file, limit=MAX_HF_CONFIG_BYTES + 1)
+    except NotPlainFile as exc:
+        raise ValueError(f"{path}/config.json {exc.strerror}") from None
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     except OSError as exc:
@@ -291,8 +290,8 @@ def read_hf_config(path: str, data_root: str | os.PathLike[str] | None) -> dict[
         raise ValueError(f"{path}/config.json is larger than {MAX_HF_CONFIG_BYTES} bytes")
     try:
         cfg = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{path}/config.json is not JSON: {exc}") from None
+    except ValueError:
+        raise ValueError(f"{path}/config.json is not JSON") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}/config.json is not a JSON object")
     return cfg

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data import META_FILE, DataError, write_shard
-from trainer.files import make_dirs, set_mode
+from trainer.files import NotPlainFile, make_dirs, read_plain, set_mode
 from trainer.shard_stream import ShardStream, val_tokens
 from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
@@ -130,14 +130,23 @@ class _HFTokenizer:
             raise DataError(
                 "--tokenizer needs the 'tokenizers' package: pip install 'trainq[hf]'"
             ) from None
-        if not path.is_file():
-            raise DataError(f"tokenizer file {path} does not exist")
         try:
-            # Read once: the text that tokenizes is the text copied into the dataset.
-            self.text: str | None = path.read_text(encoding="utf-8")
+            # Read once, never through a link: the text that tokenizes is the text copied
+            # into the dataset.
+            self.text: str | None = read_plain(path).decode("utf-8")
+        except FileNotFoundError:
+            raise DataError(f"tokenizer file {path} does not exist") from None
+        except NotPlainFile as exc:
+            raise DataError(f"tokenizer file {path} {exc.strerror}") from None
+        except (OSError, UnicodeDecodeError):
+            raise DataError(f"tokenizer file {path} cannot be read as UTF-8 text") from None
+        try:
             self._tok = Tokenizer.from_str(self.text)
-        except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
-            raise DataError(f"tokenizer file {path} cannot be loaded: {exc}") from exc
+        except Exception:  # the Rust side raises a bare Exception on bad JSON
+            # Not the parser's words: they quote the file (an oracle for its content).
+            raise DataError(
+                f"tokenizer file {path} cannot be loaded as a Hugging Face tokenizer.json"
+            ) from None
         self.name = TOKENIZER_FILE
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         if self.vocab_size > UINT16_VOCAB:

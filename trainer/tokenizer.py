@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Final, Literal
 
+from trainer.files import read_plain
+
 __all__ = ["BYTE", "TOKENIZER_FILE", "TokenizerError", "dataset_tokenizer"]
 
 BYTE: Final = "byte"
@@ -34,22 +36,22 @@ def dataset_tokenizer(data_dir: str | os.PathLike[str]) -> Literal["byte"] | Pat
     """``"byte"``, or the path of the Hugging Face ``tokenizer.json`` that made the shards
     in ``data_dir`` (a folder already resolved under the data root).
 
-    A ``tokenizer.json`` in the folder wins (a link out of the folder is refused); without
-    one, ``meta.json`` decides: no meta.json (shards written by hand) or ``"byte"`` is bytes,
-    an absolute path (a dataset from before tokenizers were copied in) is that file if it is
-    still there. TokenizerError otherwise."""
+    A ``tokenizer.json`` in the folder wins (a link is refused, never followed); without
+    one, ``meta.json`` (read without following a link) decides: no meta.json (shards
+    written by hand) or ``"byte"`` is bytes, an absolute path (a dataset from before
+    tokenizers were copied in) is that file if it is still there. TokenizerError otherwise."""
     folder = Path(data_dir)
     local = folder / TOKENIZER_FILE
+    if local.is_symlink():
+        raise TokenizerError(f"dataset {folder.name}: its {TOKENIZER_FILE} is a symbolic link")
     if local.is_file():
-        if not local.resolve().is_relative_to(folder.resolve()):
-            raise TokenizerError(f"{local} links outside its dataset folder")
         return local
     try:
-        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+        meta = json.loads(read_plain(folder / META_FILE, limit=1 << 20))
     except FileNotFoundError:
         return BYTE
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{folder / META_FILE} is unreadable: {exc}") from None
+    except (OSError, ValueError):  # not its parser's words: they would quote the file
+        raise TokenizerError(f"dataset {folder.name}: its {META_FILE} is unreadable") from None
     name = meta.get("tokenizer", BYTE) if isinstance(meta, dict) else BYTE
     if name == BYTE:
         return BYTE

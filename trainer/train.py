@@ -150,8 +150,10 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
     """Run to cfg.steps (or until SIGTERM); the process exit code."""
     check_preflight(cfg)
     # Data errors surface here, on every rank alike, before any process group exists.
-    train_data = TokenDataset(data_dir, "train", cfg.model.seq_len)
-    val_data = TokenDataset(data_dir, "val", cfg.model.seq_len) if cfg.eval.every else None
+    # Named as the spec names them (data.path), never by the server's absolute path.
+    seq, label = cfg.model.seq_len, cfg.data.path
+    train_data = TokenDataset(data_dir, "train", seq, label)
+    val_data = TokenDataset(data_dir, "val", seq, label) if cfg.eval.every else None
     used = [train_data] if val_data is None else [train_data, val_data]
     check_vocab(cfg.data.path, vocab_size(cfg.model), used)
     if cfg.init is not None:  # fine-tuning: the init weights must fit before any process group

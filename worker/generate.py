@@ -140,7 +140,7 @@ class ModelCache:
     def _load(self, job_id: str, path: Path, step: int) -> Loaded:
         import torch
 
-        from trainer.config import ConfigError, load_config, resolve_data_path
+        from trainer.config import ConfigError, frozen_data_path, load_config
         from trainer.export import ExportError, load_model
         from trainer.generate import load_tokenizer
 
@@ -150,7 +150,7 @@ class ModelCache:
         run_dir = self.runs_root / job_id
         try:
             cfg = load_config(run_dir / "config.json")
-            tokenizer = load_tokenizer(resolve_data_path(cfg.data.path, self.data_root))
+            tokenizer = load_tokenizer(frozen_data_path(cfg, self.data_root))
             model, _ = load_model(run_dir, path, merge=True)
         except (ExportError, ConfigError, OSError, ValueError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

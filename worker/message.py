@@ -70,6 +70,9 @@ class JobMessage(BaseModel):
     procs_per_node: int = Field(1, ge=1, le=64)
     node_rank: int = Field(0, ge=0)
     max_runtime_s: int | None = Field(None, ge=1)
+    # Whose job it is: the worker checks a frozen ``data.dataset`` folder is this owner's
+    # (trainer.paths). None in messages from before it was sent (the folder's shape only).
+    owner: str | None = Field(None, min_length=1, max_length=128)
     train: TrainConfig
 
     @model_validator(mode="after")

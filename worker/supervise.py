@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, resolve_data_path
+from trainer.config import ConfigError, frozen_data_path
 from trainer.events import NODE_SEQ_SHIFT, Publisher, worker_source
 from trainer.files import FILE_MODE, UMASK, fix_tree, make_dirs, set_mode
 from worker.context import Slot, WorkerContext
@@ -233,8 +233,8 @@ class _Attempt:
                 f"{ctx.name} has {len(gpus)} GPU(s)",
             )
         path = msg.train.data.path
-        try:
-            data = resolve_data_path(path, self.s.data_root)
+        try:  # the rule of trainer.paths again, here where the files are (the trainer too)
+            data = frozen_data_path(msg.train, self.s.data_root, msg.owner)
         except ConfigError as exc:
             return Outcome(None, "spec_error", str(exc))
         if not data.is_dir():

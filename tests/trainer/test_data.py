@@ -79,11 +79,11 @@ def test_write_shard_replaces_and_checks_tokens(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("header", "n_tokens", "cut", "expected"),
     [
-        ([1234, VERSION, 10], 10, 0, "magic number 1234"),
-        ([MAGIC, 7, 10], 10, 0, "version 7"),
+        ([1234, VERSION, 10], 10, 0, "not an llm.c token shard"),
+        ([MAGIC, 7, 10], 10, 0, "header version other than 1"),
         ([MAGIC, VERSION, 10], 10, 6, "truncated"),
         ([MAGIC, VERSION, 100], 10, 0, "truncated"),
-        ([MAGIC, VERSION, 0], 0, 0, "0 tokens"),
+        ([MAGIC, VERSION, 0], 0, 0, "counts no tokens"),
         ([MAGIC, VERSION, 5], 10, 0, "trailing bytes"),
         ([MAGIC, VERSION, 10], 0, 1024 - 100, "shorter than its 1024-byte header"),
     ],
@@ -97,6 +97,9 @@ def test_bad_shard_is_a_clear_error(
     with pytest.raises(DataError, match=expected) as info:
         open_shard(path)
     assert str(path) in str(info.value)
+    for value in header:  # what the file holds is never quoted back (issue 22)
+        if value >= 100 and value not in (MAGIC, VERSION):  # the size may hold small digits
+            assert str(value) not in str(info.value).replace(str(path), "")
     # the dataset reports the same error when it opens the folder
     with pytest.raises(DataError, match=expected):
         TokenDataset(tmp_path, "train", SEQ)
@@ -257,3 +260,39 @@ def test_sampler_rejects_bad_rank(ds: TokenDataset) -> None:
     s = BatchSampler(ds, 4, 2, rank=0, world=1, seed=0)
     with pytest.raises(ValueError, match="micro"):
         s.batch(0, 2)
+
+
+def test_shard_links_are_refused_never_followed(tmp_path: Path) -> None:
+    """A ``train_*.bin`` that links to a file elsewhere (a shard, or a secret) is refused
+    by name; the link's target is never opened, so none of its bytes reach the message."""
+    outside = tmp_path / "outside"
+    _split(outside, [50])
+    secret = outside / "secret.txt"
+    secret.write_bytes(b"ALICE-SECRET-KEY=hunter2" * 64)
+    folder = tmp_path / "shared" / "corp"
+    _split(folder, [50])
+    for target in (outside / "train_000000.bin", secret):
+        link = folder / "train_000001.bin"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        with pytest.raises(DataError, match=r"train_000001\.bin is a symbolic link") as info:
+            TokenDataset(folder, "train", SEQ, label="corp")
+        message = str(info.value)
+        assert str(tmp_path) not in message and "ALICE" not in message
+        assert message.startswith("data folder corp:")
+        with pytest.raises(DataError, match="is a symbolic link"):
+            open_shard(link)
+    # the folder itself a link: refused too
+    (tmp_path / "shared" / "alias").symlink_to(folder, target_is_directory=True)
+    with pytest.raises(DataError, match="alias is a symbolic link"):
+        TokenDataset(tmp_path / "shared" / "alias", "train", SEQ, label="alias")
+
+
+def test_messages_name_the_label_not_the_server_path(tmp_path: Path) -> None:
+    path = tmp_path / "d" / "train_000000.bin"
+    path.parent.mkdir()
+    _write_raw(path, [4242, VERSION, 10], np.arange(10))
+    with pytest.raises(DataError) as info:
+        TokenDataset(tmp_path / "d", "train", SEQ, label="shared/d")
+    assert "shard shared/d/train_000000.bin is not an llm.c token shard" in str(info.value)
+    assert str(tmp_path) not in str(info.value) and "4242" not in str(info.value)

@@ -144,18 +144,18 @@ def _bad_magic(folder: Path) -> str:
     data = bytearray(shard.read_bytes())
     data[0:4] = (12345).to_bytes(4, "little")
     shard.write_bytes(bytes(data))
-    return f"shard {shard} has magic number 12345"
+    return f"shard {folder.name}/{shard.name} is not an llm.c token shard"
 
 
 def _no_val(folder: Path) -> str:
     write_shard(folder / "train_000.bin", np.array([1, 2, 3] * 100))
-    return f"data folder {folder} has no val shards"
+    return f"data folder {folder.name} has no val shards"
 
 
 @pytest.mark.parametrize(
     "make, path",
     [
-        (lambda folder: f"data folder {folder} does not exist", "missing"),
+        (lambda folder: f"data folder {folder.name} does not exist", "missing"),
         (_bad_magic, "tiny"),
         (_no_val, "noval"),
     ],
@@ -173,6 +173,8 @@ def test_data_errors_are_one_line(
     assert expected in err
     info = _exit_info(tmp_path / "run")
     assert info["exit_code"] == ExitCode.DATA_ERROR and expected in str(info["message"])
+    # named as the spec names it: no server path, no byte of the file (issue 22)
+    assert str(tmp_path) not in err and "12345" not in err
 
 
 def _prepared(root: Path, name: str) -> Path:

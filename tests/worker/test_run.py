@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from tests.worker.conftest import (
     Wire,
     WorkerProc,
@@ -21,6 +23,8 @@ from tests.worker.conftest import (
     wrong_modes,
 )
 from trainer.config import TrainConfig
+from trainer.data import write_shard
+from trainer.paths import owner_key
 
 
 def test_two_ranks_succeed_and_a_duplicate_delivery_does_nothing(
@@ -81,7 +85,9 @@ def test_bad_data_paths_and_job_ids_are_spec_errors(
     start_worker("w1", gpus="0,1")
     cases = {
         "missing": "data.path 'missing': no such folder under the data root of worker w1",
-        "../../etc": "resolves outside the data root",
+        "../../etc": "must be a plain relative path under the data root",
+        # an uploaded dataset's folder by path: only a frozen data.dataset reaches it
+        f"datasets/{owner_key('alice')}/corp": "uploaded datasets are not reachable by a path",
     }
     jobs = {}
     for path in cases:
@@ -97,6 +103,13 @@ def test_bad_data_paths_and_job_ids_are_spec_errors(
         # Found before launch: nothing ran, no run folder was made.
         assert [d["phase"] for d in wire.lifecycle(jobs[path])] == ["exited"]
         assert not (runs_root / jobs[path]).exists()
+    # A frozen data.dataset whose folder is another owner's (a message forged or from an old
+    # server): the worker checks the owner key against the job's owner.
+    forged = new_job()
+    data = {"dataset": "corp", "path": f"datasets/{owner_key('alice')}/corp"}
+    wire.send(message(forged, procs=1, owner="bob", train=tiny(data=data)))
+    done = wire.exited(forged, 1, timeout=30)
+    assert done["reason"] == "spec_error" and "not reachable by a path" in done["message"]
     done = wire.exited("..", 1, timeout=30)
     assert done["reason"] == "spec_error" and "cannot name a run folder" in done["message"]
     job = new_job()
@@ -241,3 +254,29 @@ def test_run_folder_is_group_readable_at_most(
     assert any(f.startswith("logs/") and f.endswith("/stderr.log") for f in files), files
     assert any(f.startswith("tb/events.") for f in files), files
     assert wrong_modes(run_dir) == {}
+
+
+def test_a_shard_that_is_a_link_fails_the_run_and_is_never_read(
+    start_worker: Callable[..., WorkerProc], wire: Wire, runs_root: Path, data_root: Path
+) -> None:
+    """A folder inside the data root whose ``train_*.bin`` links to a file outside (a real
+    shard, then a secret): the trainer refuses it by name, trains on nothing, and the
+    message quotes no byte of the target and no absolute path (issue 22)."""
+    start_worker("w1")
+    outside = runs_root.parent / f"outside-{new_job()}"
+    write_shard(outside / "train_000.bin", np.arange(40_000) % 256)
+    secret = outside / "secret.txt"
+    secret.write_bytes(b"ALICE-SECRET-KEY=hunter2\n" * 100)
+    for target in (outside / "train_000.bin", secret):
+        folder = data_root / f"linked-{new_job()}"
+        folder.mkdir()
+        write_shard(folder / "val_000.bin", np.arange(4_000) % 256)
+        (folder / "train_000.bin").symlink_to(target)
+        job = new_job()
+        wire.send(message(job, procs=1, train=tiny(data={"path": folder.name})))
+        done = wire.exited(job, 1, timeout=90)
+        assert done["reason"] == "spec_error", done
+        assert f"{folder.name}: train_000.bin is a symbolic link" in done["message"]
+        for leak in (str(data_root), str(outside), "ALICE", "1128877121"):
+            assert leak not in done["message"]
+        assert wire.metrics(job) == []  # never trained on it

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import select
-import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -43,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data import HEADER_INTS, META_FILE, DataError, write_shard
-from trainer.files import make_dirs, set_mode
+from trainer.files import make_dirs, read_plain, set_mode
 from trainer.prepare import DEFAULT_SHARD_TOKENS, byte_summary, prepare
 from trainer.shard_stream import ShardStream, val_tokens
 from trainer.tokenizer import BYTE, TOKENIZER_FILE
@@ -100,8 +99,8 @@ def reshard(
         "train_shards": _write_split(out, "train", train),
         "val_shards": _write_split(out, "val", val) if val.size else 0,
     }
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    if tokenizer is not None:  # read as the trainer reads: a regular file, never a link
+        (out / TOKENIZER_FILE).write_bytes(read_plain(tokenizer))
         os.chmod(out / TOKENIZER_FILE, 0o640)
     _write_json(out / META_FILE, summary)
     return summary
@@ -211,6 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = {"ok": True, **run(args)}
     except (DataError, OSError, ValueError) as exc:
         message = str(exc).replace(args.src, "the upload").replace(args.out, "the dataset")
+        if args.tokenizer:  # named as the tokenizer, never by its absolute path
+            tok = args.tokenizer
+            message = message.replace(f"tokenizer file {tok}", "the tokenizer").replace(
+                tok, "the tokenizer"
+            )
         result = {"ok": False, "error": message or exc.__class__.__name__}
     except MemoryError:
         result = {"ok": False, "error": "out of memory while preparing the dataset"}

@@ -313,7 +313,7 @@ def delete_dataset(
             raise NotFound(f"dataset {name} not found")
         if row["status"] in ACTIVE:
             raise Conflict(f"dataset {name} is {row['status']}; delete it once it is done")
-        using = datasets.jobs_using(session, row["path"])
+        using = datasets.jobs_using(session, who, name)
         if using:
             raise Conflict(
                 f"dataset {name} is used by job(s) {', '.join(using)} (queued or running);"

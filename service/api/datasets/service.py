@@ -17,16 +17,19 @@ token shards by a child process (service.api.datasets.prepare, run by ``DatasetW
   and removes its work files (``reap_stale``).
 - **Jobs**: ``train.data.dataset: NAME`` is resolved at submit for the submitting owner
   (``resolve_dataset``): unknown, not ready, or a vocab larger than the model's is a 422
-  naming ``train.data.dataset``; else the frozen spec's ``data.path`` is the dataset's folder,
-  so the worker and the trainer see a plain data path.
+  naming ``train.data.dataset``; else the frozen spec keeps the name and its ``data.path`` is
+  the dataset's folder. ``datasets/`` is never nameable by a path (``trainer.paths``): the
+  worker and the trainer accept that folder only as the frozen folder of ``data.dataset``
+  (the worker checks it is the job owner's), and a dataset's in-use check compares the
+  owner's jobs' ``data.dataset``, never a path's spelling.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
+import stat
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +46,8 @@ from service.api.core.schemas import UTCDatetime
 from service.api.datasets import quota
 from service.api.jobs.schemas import JobSpec
 from trainer.config import ConfigError, HFModelConfig, resolve_data_path
+from trainer.files import read_plain
+from trainer.paths import DATASETS_AREA, dataset_folder, owner_key
 
 __all__ = [
     "ACTIVE",
@@ -67,11 +72,10 @@ FORMATS = ("text", "jsonl", "bin")
 Format = Literal["text", "jsonl", "bin"]
 Status = Literal["uploading", "preparing", "ready", "failed"]
 BYTE = "byte"
-ROOT_DIR = "datasets"
+ROOT_DIR = DATASETS_AREA
 WORK_DIR = ".tmp"
 ACTIVE = ("uploading", "preparing")
 ACTIVE_JOBS = ("queued", "running", "cancelling")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class DatasetOut(BaseModel):
@@ -118,15 +122,9 @@ def check_name(name: str, loc: list[str | int]) -> str:
     return name
 
 
-def owner_key(owner: str) -> str:
-    """The owner's folder name: its safe characters (at most 32), then a hash of all of it."""
-    slug = re.sub(r"\.{2,}", ".", _UNSAFE.sub("_", owner))[:32].lstrip("._-") or "owner"
-    return f"{slug}-{hashlib.sha256(owner.encode()).hexdigest()[:12]}"
-
-
 def folder_of(owner: str, name: str) -> str:
     """The dataset's folder relative to the data root (what a job's data.path becomes)."""
-    return f"{ROOT_DIR}/{owner_key(owner)}/{name}"
+    return dataset_folder(owner, name)
 
 
 def work_paths(data_root: Path, dataset_id: str) -> tuple[Path, Path]:
@@ -142,22 +140,28 @@ def remove_work(data_root: Path, dataset_id: str) -> None:
 
 
 def resolve_tokenizer(data_root: Path, value: str) -> tuple[str, Path | None]:
-    """``byte``, or a Hugging Face tokenizer under the data root: a ``tokenizer.json`` or a
-    folder holding one; (what is stored, the file). InvalidInput names ``query.tokenizer``."""
+    """``byte``, or a Hugging Face tokenizer in the shared area of the data root (the rule of
+    ``trainer.paths``: never an uploaded dataset's, not even the caller's own): a
+    ``tokenizer.json`` or a folder holding one; (what is stored, the file). InvalidInput
+    names ``query.tokenizer`` and never says more of a file than that it is not one."""
     if value == BYTE:
         return BYTE, None
     loc: list[str | int] = ["query", "tokenizer"]
     try:
-        found = resolve_data_path(value, data_root)
-    except (ConfigError, ValueError) as exc:
-        raise InvalidInput.at(loc, str(exc).replace("data.path", "tokenizer")) from exc
-    if found.is_dir():
-        found = found / "tokenizer.json"
-    if not found.is_file() or found.suffix != ".json":
+        found = resolve_data_path(value, data_root, field="tokenizer")
+    except ConfigError as exc:
+        raise InvalidInput.at(loc, str(exc)) from exc
+    try:
+        if stat.S_ISDIR(found.lstat().st_mode):
+            found = found / "tokenizer.json"
+        plain = stat.S_ISREG(found.lstat().st_mode)  # a link is not followed
+    except OSError:
+        plain = False
+    if not plain or found.suffix != ".json":
         raise InvalidInput.at(
             loc,
             f"tokenizer {value!r} is neither 'byte' nor a tokenizer.json (or a folder holding"
-            " one) under the data root",
+            " one, not a link) in the shared area of the data root",
         )
     return value, found
 
@@ -269,12 +273,14 @@ def heartbeat(sessions: sessionmaker[Session], progress: dict[str, int | None]) 
             )
 
 
-def jobs_using(conn: Connection | Session, path: str, limit: int = 5) -> list[str]:
-    """Queued, running or cancelling jobs whose data.path is this folder."""
-    used = JOBS.c.train[("data", "path")].as_string()
+def jobs_using(conn: Connection | Session, owner: str, name: str, limit: int = 5) -> list[str]:
+    """The owner's queued, running or cancelling jobs that read dataset ``name``: their
+    frozen ``data.dataset`` (only a job of the dataset's owner can name it, and the
+    comparison is of the validated name, not of a path's spelling)."""
+    used = JOBS.c.train[("data", "dataset")].as_string()
     stmt = (
         select(JOBS.c.id)
-        .where(JOBS.c.status.in_(ACTIVE_JOBS), used == path)
+        .where(JOBS.c.owner == owner, JOBS.c.status.in_(ACTIVE_JOBS), used == name)
         .order_by(JOBS.c.id)
         .limit(limit)
     )
@@ -313,8 +319,8 @@ def _model_vocab(spec: JobSpec, data_root: Path) -> tuple[int | None, str]:
     if not isinstance(model, HFModelConfig):
         return model.vocab_size, f"train.model.{model.family}.vocab_size"
     try:  # the hf family's vocab is its config.json's; the trainer checks it again anyway
-        folder = resolve_data_path(model.path, data_root)
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        folder = resolve_data_path(model.path, data_root, field="train.model.path")
+        cfg = json.loads(read_plain(folder / "config.json", limit=1 << 20))
         vocab = cfg.get("vocab_size")
     except (OSError, ValueError, ConfigError):
         return None, ""

@@ -236,8 +236,12 @@ def _byte_length(services: Services, train: dict[str, Any], text: str | None) ->
     """A text prompt's token count when the job's dataset is byte-level (no tokenizer.json
     beside its shards); None when only the worker's tokenizer can tell."""
     try:
-        folder = resolve_data_path(str((train.get("data") or {}).get("path", "")),
-                                   services.settings.data_root)  # fmt: skip
+        data = train.get("data") or {}
+        folder = resolve_data_path(
+            str(data.get("path", "")),
+            services.settings.data_root,
+            dataset=data.get("dataset"),  # the job's own frozen dataset (trainer.paths)
+        )
     except ConfigError:
         return None
     try:

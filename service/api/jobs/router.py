@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -29,7 +28,7 @@ from service.api.scheduling.limits import (
     check_run_disk,
 )
 from service.api.scheduling.pending import apending_reason, note_cancelled, pending_reason
-from service.api.scheduling.retention import delete_jobs
+from service.api.scheduling.retention import delete_jobs, starting_from
 from service.api.streams.notify import publish_status, signal_cancel
 from trainer.config import ConfigError, HFModelConfig, reject_nul, resolve_data_path
 from trainer.plan import plan
@@ -90,28 +89,16 @@ def parse_spec(
     return spec
 
 
-# Data paths found inside the root, briefly: resolving walks the file system (a tenth of a
-# submit's CPU) and most submits name the same few paths. Only a success is remembered, and
-# for a second, so a symlink changed to point out is refused again almost at once (and the
-# trainer checks the path again when it runs).
-_PATH_OK_S = 1.0
-_paths_ok: dict[tuple[str, str], float] = {}
-
-
 def _check_data_path(path: str, data_root: Any, field: list[str | int]) -> None:
-    """A path of the spec (``train.<field>``) resolves inside the data root."""
-    key = (path, str(data_root))
-    now = time.monotonic()
-    if _paths_ok.get(key, 0.0) > now:
-        return
+    """A path of the spec (``train.<field>``) is one a tenant may name: the rule of
+    ``trainer.paths`` (the shared area of the data root, never ``datasets/``, no link).
+    Checked on every submit: the walk is a few ``lstat`` calls, and a cache would let a
+    link made a moment ago through."""
+    name = "train." + ".".join(str(f) for f in field if f != "hf")
     try:
-        resolve_data_path(path, data_root)
+        resolve_data_path(path, data_root, field=name)
     except ConfigError as exc:
-        message = str(exc).replace("data.path", ".".join(str(f) for f in field))
-        raise InvalidInput.at(["body", "train", *field], message) from exc
-    if len(_paths_ok) > 1024:
-        _paths_ok.clear()
-    _paths_ok[key] = now + _PATH_OK_S
+        raise InvalidInput.at(["body", "train", *field], str(exc)) from exc
 
 
 def _check_init_job(services: Services, principal: Principal, job_id: str) -> None:
@@ -456,6 +443,10 @@ def delete_job(job_id: JobId, services: ServicesDep, principal: PrincipalDep) ->
     if row["status"] not in TERMINAL:
         then = "wait until it has stopped" if row["status"] == "cancelling" else "cancel it first"
         raise Conflict(f"job {job_id} is {row['status']}; {then}")
+    with services.sessions() as session:
+        users = starting_from(session, [job_id])
+    if users:
+        raise Conflict(_held_message(principal, job_id, users))
     settings = services.settings
     deleted = delete_jobs(
         services.sessions,
@@ -465,6 +456,20 @@ def delete_job(job_id: JobId, services: ServicesDep, principal: PrincipalDep) ->
         redis=services.redis,
         keys=services.keys,
     )
-    if not deleted:  # deleted meanwhile by another request, or by the retention pass
+    if not deleted:  # deleted meanwhile, or named as an init.job meanwhile (a retry says which)
         raise NotFound(f"job {job_id} not found")
     return Response(status_code=204)
+
+
+def _held_message(principal: Principal, job_id: str, users: list[tuple[str, str, str]]) -> str:
+    """The 409 of a job that active jobs start from: the caller's own (an admin: all) by id,
+    other owners' only counted."""
+    shown = [j for _, j, owner in users if principal.admin or owner == principal.name]
+    others = len(users) - len(shown)
+    named = ", ".join(shown)
+    if others:
+        named += f"{' and ' if shown else ''}{others} job(s) of other owners"
+    return (
+        f"job {job_id} is the train.init.job of queued or running job(s) {named}; it is kept"
+        " until they end (cancel them or wait)"
+    )

@@ -208,6 +208,7 @@ def job_message(row: Mapping[Any, Any], attempt: int, node_rank: int = 0) -> Job
             "procs_per_node": row["procs_per_node"],
             "node_rank": node_rank,
             "max_runtime_s": row["max_runtime_s"],
+            "owner": row.get("owner"),
             "train": row["train"],
         }
     )
@@ -231,6 +232,7 @@ def dispatch_attempts(
                     JOBS.c.nodes,
                     JOBS.c.procs_per_node,
                     JOBS.c.max_runtime_s,
+                    JOBS.c.owner,
                     JOBS.c.train,
                     JOBS.c.status,
                     JOBS.c.attempt,

@@ -37,7 +37,7 @@ from service.api.core.settings import Settings
 from service.api.scheduling.passlock import one_pass
 from trainer.events import Keys
 
-__all__ = ["BATCH", "PASS_MAX", "Retention", "delete_jobs", "remove_run_dir"]
+__all__ = ["BATCH", "PASS_MAX", "Retention", "delete_jobs", "remove_run_dir", "starting_from"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ def delete_jobs(
     keys: Keys | None = None,
 ) -> int:
     """Delete the terminal ones of ``job_ids`` with their attempts, metrics and logs; how
-    many were deleted (a job that is not terminal, or not there, is left alone). With ``redis``
+    many were deleted (a job that is not terminal, or not there, or that an active job
+    starts from as its ``train.init.job``, is left alone). With ``redis``
     and ``keys``, their Redis stream and cancel flag go too; with ``remove_runs``, their run
     folders under ``runs_root``."""
     wanted = sorted({j for j in job_ids if _JOB_ID.fullmatch(j)})
@@ -89,6 +90,8 @@ def delete_jobs(
                     .with_for_update()
                 ).scalars()
             )
+            held = {job for job, _, _ in starting_from(tx, ids)}
+            ids = [i for i in ids if i not in held]  # still an active job's init weights
             if not ids:
                 continue
             for child in (METRICS, LOGS, ATTEMPTS):
@@ -101,6 +104,24 @@ def delete_jobs(
         for job_id in deleted:
             remove_run_dir(runs_root, job_id)
     return len(deleted)
+
+
+_INIT_JOB = JOBS.c.train[("init", "job")].as_string()
+_ACTIVE = ("queued", "running", "cancelling")
+
+
+def starting_from(conn: Any, job_ids: list[str]) -> list[tuple[str, str, str]]:
+    """(job id, the active job that names it in ``train.init.job``, that job's owner) for
+    each of ``job_ids`` that a queued, running or cancelling job starts from: such a job is
+    not deleted (an attempt loads its init weights when it starts, a retry again)."""
+    if not job_ids:
+        return []
+    stmt = (
+        select(_INIT_JOB, JOBS.c.id, JOBS.c.owner)
+        .where(JOBS.c.status.in_(_ACTIVE), _INIT_JOB.in_(job_ids))
+        .order_by(JOBS.c.id)
+    )
+    return [(r[0], r[1], r[2]) for r in conn.execute(stmt)]
 
 
 def _forget_streams(redis: Any, keys: Keys, job_ids: list[str]) -> None:
