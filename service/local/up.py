@@ -40,6 +40,7 @@ from service.local.demo import DEMO_STEPS, run_demo
 from service.local.embedded import (
     NoRedis,
     db_number,
+    embedded_database_url,
     free_port,
     gpu_queues,
     is_loopback,
@@ -140,7 +141,7 @@ class Up:
         env["PYTHONUNBUFFERED"] = "1"
         chosen = settings.model_fields_set  # what TRAINQ_* variables set explicitly
         if "database_url" not in chosen:
-            env["TRAINQ_DATABASE_URL"] = f"sqlite:///{self.data_dir / 'trainq.db'}"
+            env["TRAINQ_DATABASE_URL"] = embedded_database_url(self.data_dir)
         if "data_root" not in chosen:
             env["TRAINQ_DATA_ROOT"] = str(self.data_dir / "data")
         if "runs_root" not in chosen:
