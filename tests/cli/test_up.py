@@ -25,7 +25,7 @@ import pytest
 
 from tests.e2e.system import free_port, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 PACKAGE = ["pyproject.toml", "README.md", "service", "worker", "trainer", "migrations"]
 
@@ -91,7 +91,7 @@ def venv(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=900,  # transformers and its dependencies too, as the README installs
     )
     assert pip.returncode == 0, pip.stderr[-3000:]
     return root / "venv"
