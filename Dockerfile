@@ -24,7 +24,9 @@ COPY service ./service
 COPY worker ./worker
 COPY trainer ./trainer
 COPY migrations ./migrations
-RUN pip install ".[tb]" && rm -rf build ./*.egg-info
+# hf: transformers and safetensors, so a worker writes the Hugging Face folder of each
+# finished run (`trainq download --format hf`); tb: TensorBoard curves.
+RUN pip install ".[tb,hf]" && rm -rf build ./*.egg-info
 
 # Never root: a worker runs user training code.
 RUN useradd --create-home --uid 10001 trainq \

@@ -178,6 +178,18 @@ class DataConfig(_Strict):
     _no_nul = field_validator("path")(reject_nul)  # no file system takes it
 
 
+# Spec keys that each name one choice among alternatives the models refuse together: a
+# folder or an uploaded dataset (DataConfig), a folder or a job's checkpoint, whose step goes
+# with the job (InitConfig). Setting one over a spec file (``trainq submit --set``) drops the
+# others, so ``--set train.data.dataset=NAME`` on a spec with ``data.path`` trains on NAME.
+REPLACES: dict[str, tuple[str, ...]] = {
+    "train.data.dataset": ("train.data.path",),
+    "train.data.path": ("train.data.dataset",),
+    "train.init.path": ("train.init.job", "train.init.step"),
+    "train.init.job": ("train.init.path",),
+}
+
+
 class BatchConfig(_Strict):
     micro_batch_size: int = Field(8, ge=1, le=65536)
     grad_accum_steps: int = Field(1, ge=1, le=4096)

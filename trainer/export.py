@@ -34,10 +34,11 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
+from trainer.checkpoint import latest_checkpoint
 from trainer.config import (
     AnyModelConfig,
     ConfigError,
@@ -109,8 +110,8 @@ def export(
             os.chmod(out, FILE_MODE)
             got = torch.export.load(out).module()(check)
         else:
-            if importlib.util.find_spec("onnxscript") is None:
-                raise ExportError("ONNX export needs onnx and onnxscript: pip install '.[export]'")
+            if (missing := missing_extra("onnx")) is not None:
+                raise ExportError(missing)
             torch.onnx.export(
                 model,
                 (example,),
@@ -131,16 +132,43 @@ def export(
     return float((got - expected).abs().max())
 
 
+# What each format needs beyond torch, and the one install that brings it.
+EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
+    "hf": (("transformers", "safetensors"), "pip install 'trainq[hf]'"),
+    "onnx": (("onnx", "onnxscript"), "pip install 'trainq[export]'"),
+}
+
+
+def missing_extra(fmt: str, find: Any = importlib.util.find_spec) -> str | None:
+    """The one-line error for a format whose optional packages are not installed, or None.
+    ``find`` is the import probe (``importlib.util.find_spec``), a parameter for tests."""
+    modules, install = EXTRAS.get(fmt, ((), ""))
+    absent = [m for m in modules if find(m) is None]
+    if not absent:
+        return None
+    return f"--format {fmt} needs {' and '.join(modules)} ({', '.join(absent)} missing): {install}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line with the fix, not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m trainer.export", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("--run-dir", required=True, type=Path)
+    p = _Parser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", type=Path, help="the run's folder (default: --checkpoint's run)")
     p.add_argument(
         "--out", required=True, type=Path, help="the file to write (.onnx, .pt2) or folder (hf)"
     )
     p.add_argument("--format", choices=("onnx", "pt2", "hf"), help="default: from --out's suffix")
-    p.add_argument("--checkpoint", type=Path, help="default: the newest complete one")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a step-N folder, or what `trainq download ID -o DIR` wrote (default: the run's "
+        "newest complete one)",
+    )
     p.add_argument("--config", type=Path, help="the run's config (for old checkpoints)")
     p.add_argument(
         "--data-root",
@@ -153,22 +181,62 @@ def main(argv: list[str] | None = None) -> int:
     fmt = args.format or FORMATS.get(args.out.suffix.lower())
     if fmt is None:
         p.error(f"--out {args.out}: name it .onnx or .pt2, or pass --format (hf: a folder)")
+    if args.run_dir is None and args.checkpoint is None:
+        p.error("give --run-dir RUN (a run's folder) or --checkpoint DIR")
     try:
-        model, step = load_model(args.run_dir, args.checkpoint, args.config)
-        tokenizer = (
-            run_tokenizer(args.run_dir, args.config, args.data_root) if fmt == "hf" else None
-        )
-        diff = export(model, args.out, fmt, atol=args.atol, tokenizer=tokenizer)
+        diff, step, source = _run(args, fmt)
     except (ExportError, ConfigError) as exc:
-        print(f"trainer.export: error: {exc}", file=sys.stderr)
-        return 1
+        return _fail(str(exc))
+    except OSError as exc:  # --out not writable, a file vanishing under us
+        return _fail(f"cannot write {args.out}: {exc.strerror or exc}")
+    except Exception as exc:  # the last resort: a line, not a traceback
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return _fail(f"{fmt} export of {source_of(args)} failed: {type(exc).__name__}: {first}")
     if diff > args.atol:  # NaN (unchecked) compares False
-        print(f"trainer.export: error: {args.out} differs from the model by {diff:.2e} "
-              f"(> --atol {args.atol})", file=sys.stderr)  # fmt: skip
-        return 1
+        return _fail(f"{args.out} differs from the model by {diff:.2e} (> --atol {args.atol})")
     checked = "not checked (no onnxruntime)" if diff != diff else f"max |logit diff| {diff:.1e}"
-    print(f"exported step {step} of {args.run_dir} to {args.out} ({fmt}); {checked}")
+    print(f"exported step {step} of {source} to {args.out} ({fmt}); {checked}")
     return 0
+
+
+def source_of(args: argparse.Namespace) -> Path:
+    return Path(args.checkpoint if args.run_dir is None else args.run_dir)
+
+
+def _run(args: argparse.Namespace, fmt: Format) -> tuple[float, int, Path]:
+    """Check, load and export; (the logit difference, the step, what it came from)."""
+    if (missing := missing_extra(fmt)) is not None:
+        raise ExportError(missing)
+    checkpoint: Path | None = args.checkpoint
+    if checkpoint is not None and not (checkpoint / "meta.json").is_file():
+        raise ExportError(
+            f"--checkpoint {checkpoint} is not a checkpoint (no meta.json): give a run's "
+            "checkpoints/step-N folder, or what `trainq download ID -o DIR` wrote"
+        )
+    run_dir: Path | None = args.run_dir
+    if run_dir is None:  # RUN/checkpoints/step-N, or a folder of its own (a download)
+        assert checkpoint is not None
+        inside = checkpoint.absolute().parent
+        run_dir = inside.parent if inside.name == "checkpoints" else checkpoint
+    elif not run_dir.is_dir():
+        raise ExportError(
+            f"--run-dir {run_dir} is not a folder: give a run's folder (TRAINQ_RUNS_ROOT/JOB_ID"
+            " where it trained), or `trainq download ID -o DIR` and pass --checkpoint DIR"
+        )
+    elif checkpoint is None and latest_checkpoint(run_dir) is None:
+        raise ExportError(
+            f"no complete checkpoint in {run_dir / 'checkpoints'}: a run writes one every "
+            "train.checkpoint.every steps and when it ends; wait for one, or pass --checkpoint DIR"
+        )
+    model, step = load_model(run_dir, checkpoint, args.config)
+    tokenizer = run_tokenizer(run_dir, args.config, args.data_root) if fmt == "hf" else None
+    diff = export(model, args.out, fmt, atol=args.atol, tokenizer=tokenizer)
+    return diff, step, source_of(args)
+
+
+def _fail(message: str) -> int:
+    print(f"trainer.export: error: {message}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -30,19 +30,41 @@ import importlib.util
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HF_DIR", "HF_TMP_DIR", "missing_packages", "publish", "publish_final"]
+__all__ = [
+    "HF_DIR",
+    "HF_TMP_DIR",
+    "missing_packages",
+    "publish",
+    "publish_final",
+    "start_warning",
+]
 
 HF_DIR = "hf"
 HF_TMP_DIR = ".hf-tmp"
 CONFIG_FILE = "config.json"  # what makes a folder an HF model (the API checks for it)
 
 
-def missing_packages() -> list[str]:
-    """The packages of the ``hf`` extra that this host lacks."""
-    return [m for m in ("safetensors", "transformers") if importlib.util.find_spec(m) is None]
+def missing_packages(find: Callable[[str], object] = importlib.util.find_spec) -> list[str]:
+    """The packages of the ``hf`` extra that this host lacks; ``find`` is the import probe
+    (a parameter for tests, which cannot uninstall a package)."""
+    return [m for m in ("safetensors", "transformers") if find(m) is None]
+
+
+def start_warning(find: Callable[[str], object] = importlib.util.find_spec) -> str | None:
+    """What a worker says once at start on a host without the ``hf`` extra, or None: its
+    finished jobs get no Hugging Face folder, so their ``--format hf`` download is refused."""
+    missing = missing_packages(find)
+    if not missing:
+        return None
+    return (
+        f"{' and '.join(missing)} not installed on this worker: its jobs' checkpoints get no "
+        "Hugging Face folder (trainq download --format hf answers 409 for them); "
+        "pip install 'trainq[hf]' here"
+    )
 
 
 def _say(line: str, *, error: bool = False) -> None:

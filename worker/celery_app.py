@@ -10,12 +10,14 @@ Queues are declared explicitly, one per trainq queue, exactly as the service's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery, signals
 from kombu import Exchange, Queue
 
+from trainer.publish import start_warning
 from worker.context import WorkerContext
 from worker.generate import GenerationServer
 from worker.message import broker_queue, spec_queue, worker_queue
@@ -23,6 +25,8 @@ from worker.registry import Registry
 from worker.settings import WorkerSettings
 
 __all__ = ["app", "configure", "context"]
+
+log = logging.getLogger(__name__)
 
 app = Celery("trainq", include=["worker.tasks"])
 app.conf.update(
@@ -77,6 +81,9 @@ def configure(ctx: WorkerContext) -> Registry:
     def on_ready(**_: Any) -> None:
         registry.start()
         generation.start()
+        # Said once here rather than found per job: the host lacks what hf folders need.
+        if (warning := start_warning()) is not None:
+            log.warning(warning)
 
     def on_shutting_down(**_: Any) -> None:
         # Warm shutdown (SIGTERM): Celery stops taking tasks and waits for the running ones;

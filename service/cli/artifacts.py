@@ -27,7 +27,7 @@ from service.cli.output import clean, fmt, table, when
 if TYPE_CHECKING:
     from service.cli.client import Client
 
-__all__ = ["download", "list_checkpoints", "register"]
+__all__ = ["download", "register"]
 
 READ_TIMEOUT_S = 300.0  # one chunk's wait; a long download is fine, a stuck one is not
 
@@ -54,13 +54,6 @@ class _Stream:
         out = bytes(self._buf[self._pos : end])
         self._pos = end
         return out
-
-
-def list_checkpoints(client: Client, job_id: str) -> dict[str, Any]:
-    from service.cli.client import _job_path
-
-    out: dict[str, Any] = client._json("GET", _job_path(job_id, "checkpoints"), f"job {job_id}")
-    return out
 
 
 def _size(value: Any) -> str:
@@ -102,9 +95,7 @@ def download(
     client: Client, job_id: str, step: str, fmt_: str, out: Path, *, force: bool = False
 ) -> tuple[int, int]:
     """Stream the archive into ``out``; (the checkpoint's step, bytes received)."""
-    import httpx
-
-    from service.cli.client import CONNECT_TIMEOUT_S, ClientError, Unreachable
+    from service.cli.client import ClientError, Unreachable
 
     _checked_out_dir(out, force)
     parent = out.absolute().parent
@@ -113,22 +104,19 @@ def download(
     mask = os.umask(0)
     os.umask(mask)
     tmp.chmod(0o777 & ~mask)  # mkdtemp's 0700 would become DIR's mode: a plain mkdir's instead
-    what = f"checkpoints/{step}/download"
-    timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
     try:
-        with client._stream(job_id, what, params={"format": fmt_}, timeout=timeout) as response:
-            total = int(response.headers.get("content-length", "-1"))
-            got = int(response.headers.get("x-trainq-step", "-1"))
-            stream = _Stream(response.iter_bytes())
+        with client.download(job_id, step, fmt_, read_timeout=READ_TIMEOUT_S) as archive:
+            total, got = archive.size, archive.step
+            stream = _Stream(archive.chunks)
             try:
                 with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
                     tar.extractall(tmp, filter="data")
                 while stream.read(1 << 16):  # the end-of-archive padding
                     pass
-            except httpx.HTTPError as exc:
+            except Unreachable as exc:
                 raise Unreachable(
                     f"the download of job {job_id}'s checkpoint was cut off after "
-                    f"{stream.count:,} of {total:,} bytes ({exc}); run the command again"
+                    f"{stream.count:,} of {total:,} bytes ({exc.__cause__}); run the command again"
                 ) from exc
             except (tarfile.TarError, OSError) as exc:
                 raise ClientError(f"cannot extract the checkpoint into {out}: {exc}") from exc
@@ -156,7 +144,7 @@ def register(app: typer.Typer) -> None:
         from service.cli.client import Client
 
         with Client() as client:
-            out = list_checkpoints(client, job_id)
+            out = client.checkpoints(job_id)
         if as_json:
             typer.echo(json.dumps(out, indent=2))
             return

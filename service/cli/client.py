@@ -14,8 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -49,6 +48,13 @@ from service.cli.errors import (
     exit_code_for,
     is_trainq_error,
 )
+from service.cli.follow import (
+    CONNECT_TIMEOUT_S,
+    SSE_READ_TIMEOUT_S,
+    SseEvent,
+    follow_events,
+    parse_sse,
+)
 
 __all__ = [
     "EXIT_CANCELLED",
@@ -65,6 +71,7 @@ __all__ = [
     "Client",
     "ClientError",
     "ClientSettings",
+    "Download",
     "Forbidden",
     "Invalid",
     "NotFound",
@@ -75,21 +82,15 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "Unreachable",
+    "check_url",
     "exit_code_for",
     "parse_sse",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-# One SSE connection's read timeout when nothing bounds it sooner: longer than the server's
-# keep-alive ping interval (TRAINQ_SSE_PING_S, 15 s), so only a stuck connection hits it.
-SSE_READ_TIMEOUT_S = 60.0
-CONNECT_TIMEOUT_S = 10.0
 # While a followed job is queued its stream is silent; its record is read this often for the
 # pending reason ("position 3 in queue gpu", "no worker serves queue gpu").
 PENDING_EVERY_S = 5.0
-# The name parse_sse gives a keep-alive comment when asked to yield them (no trainq stream
-# sends an event of that name).
-KEEPALIVE = ": keepalive"
 
 
 def check_url(url: str, name: str = "TRAINQ_URL") -> str:
@@ -122,13 +123,6 @@ class ClientSettings:
         url = os.environ.get("TRAINQ_URL", "").strip() or DEFAULT_URL
         token = os.environ.get("TRAINQ_TOKEN", "").strip() or None
         return cls(url=check_url(url), token=token)
-
-
-@dataclass(frozen=True)
-class SseEvent:
-    event: str
-    data: dict[str, Any]
-    id: str | None = None
 
 
 class Client:
@@ -299,7 +293,9 @@ class Client:
             params["tail"] = tail
         # No read timeout: a quiet job sends nothing for as long as it is quiet.
         timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=None)
-        with self._stream(job_id, "logs", params=params, timeout=timeout) as response:
+        with self._stream(
+            "GET", _job_path(job_id, "logs"), f"job {job_id}", params=params, timeout=timeout
+        ) as response:
             yield from response.iter_text()
 
     def workers(self) -> dict[str, Any]:
@@ -335,20 +331,10 @@ class Client:
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
         timeout = httpx.Timeout(connect_timeout, read=read_timeout)
-        with self._stream(job_id, "events", headers=headers, timeout=timeout) as response:
+        with self._stream(
+            "GET", _job_path(job_id, "events"), f"job {job_id}", headers=headers, timeout=timeout
+        ) as response:
             yield from parse_sse(response.iter_lines(), keepalives=keepalives)
-
-    @contextlib.contextmanager
-    def _stream(self, job_id: str, what: str, **kwargs: Any) -> Iterator[httpx.Response]:
-        """A streamed GET of /v1/jobs/{id}/{what}: errors checked first, drops as Unreachable."""
-        try:
-            with self._http.stream("GET", _job_path(job_id, what), **kwargs) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._check(response, f"job {job_id}")
-                yield response
-        except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
 
     def follow_events(
         self,
@@ -358,108 +344,155 @@ class Client:
         outage_s: float = 30.0,
         pending_every_s: float | None = None,
     ) -> Generator[SseEvent, None, None]:
-        """The job's events until its terminal status, reconnecting with Last-Event-ID.
+        """The job's events until its terminal status (``service.cli.follow.follow_events``:
+        reconnects with Last-Event-ID; ``deadline`` raises TimeoutError; an outage longer
+        than ``outage_s`` raises Unreachable; ``pending_every_s`` yields ``pending`` events)."""
+        return follow_events(
+            self, job_id, deadline=deadline, outage_s=outage_s, pending_every_s=pending_every_s
+        )
 
-        ``deadline`` (a ``time.monotonic()`` value) raises TimeoutError once it passes, in
-        every state: each connection's connect and read timeouts and the sleep between
-        connections are bounded by the time left, and whatever arrives (an event or a
-        keep-alive comment, which restarts the read timeout) is followed by a look at the
-        deadline; once less is left than the connection's read timeout, it is reopened
-        (from Last-Event-ID, so nothing is lost) with the time left as its read timeout.
-        A queued job's stream (keep-alive comments only) cannot hold the caller past it.
-        The service being unreachable for more than ``outage_s`` in a row raises Unreachable.
+    # -- checkpoints ---------------------------------------------------------------------
 
-        With ``pending_every_s``, the job's record is read when following starts and, while
-        the job is queued and its stream is quiet, at most that often; a change of its
-        pending reason is yielded as a ``pending`` event (``{"status", "pending_reason"}``).
-        """
-        last_id: str | None = None
-        down_since: float | None = None
-        watch = pending_every_s is not None
-        queued = watch  # not known yet: the record is read first
-        reason: str | None = None
-        next_read = time.monotonic()
+    def checkpoints(self, job_id: str) -> dict[str, Any]:
+        """GET /v1/jobs/{id}/checkpoints: the job's complete checkpoints."""
+        path = _job_path(job_id, "checkpoints")
+        result: dict[str, Any] = self._json("GET", path, f"job {job_id}")
+        return result
 
-        def left(cap: float) -> float:
-            """``cap`` seconds, or what is left before the deadline; TimeoutError once past."""
-            if deadline is None:
-                return cap
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            return min(cap, remaining)
+    @contextlib.contextmanager
+    def download(
+        self, job_id: str, step: str, fmt: str, *, read_timeout: float
+    ) -> Iterator[Download]:
+        """GET /v1/jobs/{id}/checkpoints/{step}/download?format=fmt, streamed: the archive's
+        announced size and step, and its bytes as they come (a drop: Unreachable)."""
+        path = _job_path(job_id, "checkpoints", quote(step, safe=""), "download")
+        timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=read_timeout)
+        with self._stream(
+            "GET", path, f"job {job_id}", params={"format": fmt}, timeout=timeout
+        ) as response:
+            yield Download(
+                size=_int_header(response, "content-length"),
+                step=_int_header(response, "x-trainq-step"),
+                chunks=self._chunks(response.iter_bytes()),
+            )
 
-        def check_deadline() -> None:
-            left(0.0)
+    # -- datasets ------------------------------------------------------------------------
 
-        while True:
-            try:
-                if queued and time.monotonic() >= next_read:
-                    job = self.job(job_id, timeout=left(CONNECT_TIMEOUT_S))
-                    down_since = None
-                    next_read = time.monotonic() + (pending_every_s or 0.0)
-                    queued = job.get("status") == "queued"
-                    new = job.get("pending_reason") if queued else None
-                    if isinstance(new, str) and new and new != reason:
-                        yield SseEvent("pending", {"status": "queued", "pending_reason": new})
-                    reason = new
-                # A queued job's stream stays silent: wake up for the next read of its record.
-                wake = next_read - time.monotonic() if queued else SSE_READ_TIMEOUT_S
-                read_timeout = left(min(max(wake, 0.1), SSE_READ_TIMEOUT_S))
-                connection = self.events(
-                    job_id,
-                    last_event_id=last_id,
-                    read_timeout=read_timeout,
-                    connect_timeout=left(CONNECT_TIMEOUT_S),
-                    keepalives=deadline is not None,
-                )
-                closed = True  # by the server, as opposed to by us to read the record
-                try:
-                    with contextlib.closing(connection):
-                        for ev in connection:
-                            down_since = None
-                            if ev.event == KEEPALIVE:
-                                # The read timeout starts again at each comment: the next
-                                # wait must not outlast the deadline.
-                                if left(read_timeout) < read_timeout:
-                                    closed = False
-                                    break
-                                continue
-                            if ev.id:
-                                last_id = ev.id
-                            status = ev.data.get("status") if ev.event == "status" else None
-                            if status is not None:
-                                if watch and status == "queued" and not queued:  # a retry
-                                    reason, next_read = None, time.monotonic()
-                                queued = watch and status == "queued"
-                            yield ev
-                            if status in TERMINAL:
-                                return
-                            check_deadline()  # between events too
-                            if queued and time.monotonic() >= next_read:
-                                closed = False
-                                break
-                except Unreachable as exc:
-                    # Only a wait we shortened ran out (the deadline is near, or the record
-                    # is due): not an outage. A stuck server still fails the record's read.
-                    if read_timeout >= SSE_READ_TIMEOUT_S or not _is_read_timeout(exc):
-                        raise
-                    check_deadline()
-                    closed = False
-                if not closed:
+    def upload_dataset(
+        self, params: dict[str, Any], content: Iterable[bytes], size: int
+    ) -> dict[str, Any]:
+        """POST /v1/datasets with ``content`` streamed as the body (``size`` bytes); the
+        dataset. An exception ``content`` raises (a local check refusing a chunk) goes
+        through as it is."""
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+        name = params.get("name")
+        try:
+            response = self._http.post(
+                "/v1/datasets",
+                params=params,
+                content=content,
+                headers=headers,
+                timeout=httpx.Timeout(30.0, read=300.0),
+            )
+        except (httpx.WriteError, httpx.RemoteProtocolError) as exc:
+            # The server answered early (a refusal) and closed the connection while we sent.
+            raise ApiError(
+                f"the server closed the connection during the upload ({exc}); it refused the"
+                f" upload or stopped: `trainq data show {name}` tells which",
+                400,
+            ) from None
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        result: dict[str, Any] = self._check(response, f"dataset {name}").json()
+        return result
+
+    def datasets(self) -> dict[str, Any]:
+        """GET /v1/datasets: yours (an admin token: everyone's)."""
+        result: dict[str, Any] = self._json("GET", "/v1/datasets", "datasets")
+        return result
+
+    def dataset(self, name: str, *, owner: str | None = None) -> dict[str, Any]:
+        """GET /v1/datasets/{name} (``owner``: an admin reads another's)."""
+        params = {"owner": owner} if owner else {}
+        path = _dataset_path(name)
+        result: dict[str, Any] = self._json("GET", path, f"dataset {name}", params=params)
+        return result
+
+    def delete_dataset(self, name: str, *, owner: str | None = None) -> None:
+        """DELETE /v1/datasets/{name}: it and its folder (409 while a job uses it)."""
+        params = {"owner": owner} if owner else {}
+        self._request("DELETE", _dataset_path(name), f"dataset {name}", params=params)
+
+    # -- generation ----------------------------------------------------------------------
+
+    def complete(self, body: dict[str, Any], *, timeout: float = 600.0) -> dict[str, Any]:
+        """POST /v1/completions: the whole answer (OpenAI's completion object)."""
+        what = f"job {body.get('model')}"
+        result: dict[str, Any] = self._json(
+            "POST", "/v1/completions", what, json=body, timeout=timeout
+        )
+        return result
+
+    def stream_completion(
+        self, body: dict[str, Any], *, read_timeout: float = 600.0
+    ) -> Iterator[str]:
+        """POST /v1/completions with ``stream``: each choice's text as it comes; an error
+        the server sends mid-stream raises Unavailable."""
+        what = f"job {body.get('model')}"
+        timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=read_timeout)
+        with self._stream(
+            "POST", "/v1/completions", what, json={**body, "stream": True}, timeout=timeout
+        ) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                # The stream closed without a terminal status event: ask the record.
-                if self.job(job_id, timeout=left(CONNECT_TIMEOUT_S)).get("status") in TERMINAL:
-                    return
-            except NotTrainq:
-                raise
-            except (Unreachable, Unavailable):
-                check_deadline()  # a timeout at the deadline is the deadline, not an outage
-                now = time.monotonic()
-                down_since = down_since or now
-                if now - down_since > outage_s:
-                    raise
-            time.sleep(left(1.0))
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    raise Unavailable(str(chunk["error"].get("message")), 504)
+                for choice in chunk.get("choices") or ():
+                    yield choice.get("text") or ""
+
+    # -- streaming plumbing --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _stream(self, method: str, path: str, what: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        """A streamed request: errors checked first, drops as Unreachable."""
+        try:
+            with self._http.stream(method, path, **kwargs) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._check(response, what)
+                yield response
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+
+    def _chunks(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """``chunks``, with a dropped connection raised as Unreachable where it happens."""
+        try:
+            yield from chunks
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+
+
+@dataclass(frozen=True)
+class Download:
+    """A checkpoint archive as it streams in: ``size`` and ``step`` as the server announced
+    them (-1: not announced), ``chunks`` its bytes."""
+
+    size: int
+    step: int
+    chunks: Iterator[bytes]
+
+
+def _int_header(response: httpx.Response, name: str) -> int:
+    try:
+        return int(response.headers.get(name, "-1"))
+    except ValueError:
+        return -1
+
+
+def _dataset_path(name: str) -> str:
+    return f"/v1/datasets/{quote(name, safe='')}"
 
 
 def _job_path(job_id: str, *rest: str) -> str:
@@ -474,39 +507,3 @@ def _retry_after(value: str | None) -> float | None:
     except ValueError:
         return None
     return seconds if seconds is not None and 0 <= seconds < 86400 else None
-
-
-def _is_read_timeout(exc: BaseException) -> bool:
-    return isinstance(exc.__cause__, httpx.ReadTimeout)
-
-
-def parse_sse(lines: Iterator[str], *, keepalives: bool = False) -> Iterator[SseEvent]:
-    """Server-Sent Events framing: ``id:``, ``event:``, ``data:``; a blank line dispatches.
-    A comment (``: ping``) is skipped, or with ``keepalives`` yielded as ``KEEPALIVE``."""
-    event, entry_id = "message", None
-    data: list[str] = []
-    for raw in lines:
-        line = raw.rstrip("\r")
-        if not line:
-            if data:
-                try:
-                    payload = json.loads("\n".join(data))
-                except ValueError:
-                    payload = {"text": "\n".join(data)}
-                if not isinstance(payload, dict):
-                    payload = {"value": payload}
-                yield SseEvent(event, payload, entry_id)
-            event, data, entry_id = "message", [], None
-            continue
-        if line.startswith(":"):
-            if keepalives:
-                yield SseEvent(KEEPALIVE, {})
-            continue  # a keep-alive comment
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "event":
-            event = value
-        elif name == "data":
-            data.append(value)
-        elif name == "id":
-            entry_id = value

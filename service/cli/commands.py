@@ -45,15 +45,17 @@ __all__ = ["register", "wait_for_job"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
-EXIT_CODES_HELP = """
-Exit codes with --wait (and --follow): 0 the job succeeded; 1 it failed; 2 bad usage, an
-unreadable spec file or a malformed TRAINQ_URL; 3 it was cancelled; 4 it timed out
-(max_runtime_s, or --timeout while waiting: the job keeps going); 5 the service is
-unreachable or unavailable (or TRAINQ_URL is not a trainq API); 6 the API refused the request
-(401, 403, 404, 409, 413, 422: the message names the field; 429: over a submit limit, which
---wait retries after Retry-After until --timeout); 130 Ctrl-C while waiting (the job keeps
-going).
-"""
+# One paragraph, no hard line breaks: typer's rich help keeps every newline of an epilog
+# and then wraps each line again to the terminal, which leaves ragged half-lines.
+EXIT_CODES_HELP = (
+    "Exit codes with --wait (and --follow): 0 the job succeeded; 1 it failed; 2 bad usage, an "
+    "unreadable spec file or a malformed TRAINQ_URL; 3 it was cancelled; 4 it timed out "
+    "(max_runtime_s, or --timeout while waiting: the job keeps going); 5 the service is "
+    "unreachable or unavailable (or TRAINQ_URL is not a trainq API); 6 the API refused the "
+    "request (401, 403, 404, 409, 413, 422: the message names the field; 429: over a submit "
+    "limit, which --wait retries after Retry-After until --timeout); 130 Ctrl-C while waiting "
+    "(the job keeps going)."
+)
 
 
 def _show(out: Any, as_json: bool, text: Callable[[Any], str]) -> None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
-from urllib.parse import quote
 
 import typer
 
@@ -30,10 +29,6 @@ __all__ = ["register"]
 CHUNK = 1 << 20
 POLL_S = 0.5
 _FORMATS = {".jsonl": "jsonl", ".bin": "bin"}
-
-
-def _path(name: str) -> str:
-    return f"/v1/datasets/{quote(name, safe='')}"
 
 
 class _Bar:
@@ -78,41 +73,15 @@ def _chunks(path: Path, fmt_: str, vocab: int, bar: _Bar) -> Iterator[bytes]:
 
 
 def _upload(client: Client, path: Path, params: dict[str, Any], vocab: int) -> dict[str, Any]:
-    import httpx
-
     from service.api.datasets.upload import Refused
-    from service.cli.client import ApiError, Invalid
+    from service.cli.client import Invalid
 
     size = path.stat().st_size
     bar = _Bar(path.name, size)
-    headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
     try:
-        response = client._http.post(
-            "/v1/datasets",
-            params=params,
-            content=_chunks(path, params["format"], vocab, bar),
-            headers=headers,
-            timeout=httpx.Timeout(30.0, read=300.0),
-        )
+        return client.upload_dataset(params, _chunks(path, params["format"], vocab, bar), size)
     except Refused as exc:
         raise Invalid(f"{path}: {params['format']} upload: {exc}", 422) from None
-    except (httpx.WriteError, httpx.RemoteProtocolError) as exc:
-        # The server answered early (a refusal) and closed the connection while we sent.
-        raise ApiError(
-            f"the server closed the connection during the upload ({exc}); it refused the"
-            f" upload or stopped: `trainq data show {params['name']}` tells which",
-            400,
-        ) from None
-    except httpx.HTTPError as exc:
-        raise client._unreachable(exc) from exc
-    found: dict[str, Any] = client._check(response, f"dataset {params['name']}").json()
-    return found
-
-
-def _show(client: Client, name: str, owner: str | None = None) -> dict[str, Any]:
-    params = {"owner": owner} if owner else {}
-    found: dict[str, Any] = client._json("GET", _path(name), f"dataset {name}", params=params)
-    return found
 
 
 def _line(d: dict[str, Any]) -> str:
@@ -183,7 +152,7 @@ def register(data_app: typer.Typer) -> None:
                 if deadline is not None and time.monotonic() > deadline:
                     raise fail(f"gave up waiting after {timeout:g}s: dataset {name} preparing", 4)
                 time.sleep(POLL_S)
-                found = _show(client, name)
+                found = client.dataset(name)
         if found.get("status") != "ready":
             raise fail(_line(found), 1)
         typer.echo(_line(found))
@@ -195,7 +164,7 @@ def register(data_app: typer.Typer) -> None:
     ) -> None:
         """Your datasets (an admin token: everyone's), newest first."""
         with make_client() as client:
-            out = client._json("GET", "/v1/datasets", "datasets")
+            out = client.datasets()
         if as_json:
             typer.echo(json.dumps(out, indent=2))
             return
@@ -226,7 +195,7 @@ def register(data_app: typer.Typer) -> None:
     ) -> None:
         """One dataset: status, reason, counts, folder under the data root."""
         with make_client() as client:
-            found = _show(client, name, owner)
+            found = client.dataset(name, owner=owner)
         if as_json:
             typer.echo(json.dumps(found, indent=2))
             return
@@ -240,7 +209,6 @@ def register(data_app: typer.Typer) -> None:
         owner: Annotated[str | None, typer.Option("--owner", help="admin: whose")] = None,
     ) -> None:
         """Delete a dataset and its folder (refused while a queued or running job uses it)."""
-        params = {"owner": owner} if owner else {}
         with make_client() as client:
-            client._request("DELETE", _path(name), f"dataset {name}", params=params)
+            client.delete_dataset(name, owner=owner)
         typer.echo(clean(f"dataset {name} deleted"))

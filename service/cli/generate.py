@@ -52,37 +52,13 @@ def register(app: typer.Typer) -> None:
             body["stop"] = stop
         with make_client() as client:
             if stream and not as_json:
-                for text in _stream(client, body):
+                for text in client.stream_completion(body):
                     sys.stdout.write(text)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
                 return
-            out = client._json("POST", "/v1/completions", f"job {job_id}", json=body, timeout=600)
+            out = client.complete(body)
         if as_json:
             typer.echo(json.dumps(out, indent=2))
         else:
             typer.echo(out["choices"][0]["text"])
-
-
-def _stream(client: Any, body: dict[str, Any]) -> Any:
-    import httpx
-
-    from service.cli.errors import Unavailable
-
-    http = client._http
-    try:
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True},
-                         timeout=httpx.Timeout(10.0, read=600.0)) as response:  # fmt: skip
-            if response.status_code >= 400:
-                response.read()
-                client._check(response, f"job {body['model']}")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if "error" in chunk:
-                    raise Unavailable(str(chunk["error"].get("message")), 504)
-                for choice in chunk.get("choices") or ():
-                    yield choice.get("text") or ""
-    except httpx.HTTPError as exc:
-        raise client._unreachable(exc) from exc

@@ -14,11 +14,10 @@ import typer
 
 from service.cli import artifacts, generate
 from service.cli.commands import register
+from service.cli.instance import DataDir, admin_errors, instance
 from service.local.demo import DEMO_STEPS
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
-
     from service.api.core.settings import Settings
 
 __all__ = ["app", "main"]
@@ -40,45 +39,49 @@ def _settings() -> Settings:
     return Settings()
 
 
-def _sessions() -> sessionmaker[Session]:
-    from service.api.core.db import make_engine, make_sessionmaker
-
-    settings = _settings()
-    return make_sessionmaker(make_engine(settings))
-
-
 @db_app.command("upgrade")
-def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
-    """Apply migrations up to REVISION (default: head)."""
+@admin_errors
+def db_upgrade(
+    revision: Annotated[str, typer.Argument()] = "head", data_dir: DataDir = None
+) -> None:
+    """Apply migrations up to REVISION (default: head); creates the store if it is new."""
     from service.api.core import migrate
 
-    url = _settings().database_url
-    migrate.upgrade(url, revision)
-    typer.echo(f"database at revision {migrate.current(url)}")
+    db = instance(data_dir, create=True)
+    with db.errors():
+        migrate.upgrade(db.url, revision)
+        typer.echo(f"database at revision {migrate.current(db.url)}")
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
+@admin_errors
+def db_downgrade(revision: Annotated[str, typer.Argument()], data_dir: DataDir = None) -> None:
     """Revert migrations down to REVISION ("base" removes every table)."""
     from service.api.core import migrate
 
-    url = _settings().database_url
-    migrate.downgrade(url, revision)
-    typer.echo(f"database at revision {migrate.current(url)}")
+    db = instance(data_dir)
+    with db.errors():
+        migrate.downgrade(db.url, revision)
+        typer.echo(f"database at revision {migrate.current(db.url)}")
 
 
 @db_app.command("current")
-def db_current() -> None:
+@admin_errors
+def db_current(data_dir: DataDir = None) -> None:
     """Print the database's current revision."""
     from service.api.core import migrate
 
-    typer.echo(migrate.current(_settings().database_url) or "(empty)")
+    db = instance(data_dir)
+    with db.errors():
+        typer.echo(migrate.current(db.url) or "(empty)")
 
 
 @token_app.command("create")
+@admin_errors
 def token_create(
     name: Annotated[str, typer.Option("--name", help="owner of the jobs this token submits")],
     admin: Annotated[bool, typer.Option("--admin", help="sees and cancels every job")] = False,
+    data_dir: DataDir = None,
 ) -> None:
     """Create a token; it is printed once, alone on the last line, and never stored."""
     from service.api.core.auth import create_token
@@ -86,7 +89,7 @@ def token_create(
     name = name.strip()
     if not name or len(name) > 128:
         raise typer.BadParameter("a name of 1 to 128 characters", param_hint="--name")
-    with _sessions()() as session, session.begin():
+    with instance(data_dir).session(write=True) as session:
         token = create_token(session, name, admin=admin)
     kind = "admin token" if admin else "token"
     typer.echo(f"created {kind} for {name!r}; store it now, it is not shown again:")
@@ -94,11 +97,12 @@ def token_create(
 
 
 @token_app.command("list")
-def token_list() -> None:
+@admin_errors
+def token_list(data_dir: DataDir = None) -> None:
     """List tokens (id, name, admin, created, revoked); never the tokens themselves."""
     from service.api.core.auth import list_tokens
 
-    with _sessions()() as session:
+    with instance(data_dir).session() as session:
         rows = list_tokens(session)
     for t in rows:
         revoked = t.revoked_at.isoformat(timespec="seconds") if t.revoked_at else "-"
@@ -109,18 +113,20 @@ def token_list() -> None:
 
 
 @token_app.command("revoke")
+@admin_errors
 def token_revoke(
     name: Annotated[
         str | None, typer.Option("--name", help="revoke every token of this name")
     ] = None,
     token_id: Annotated[int | None, typer.Option("--id", help="revoke one token by id")] = None,
+    data_dir: DataDir = None,
 ) -> None:
     """Revoke tokens by --name or --id (effective within TRAINQ_TOKEN_CACHE_S)."""
     from service.api.core.auth import revoke_tokens
 
     if (name is None) == (token_id is None):
         raise typer.BadParameter("give exactly one of --name or --id")
-    with _sessions()() as session, session.begin():
+    with instance(data_dir).session(write=True) as session:
         n = revoke_tokens(session, name=name, token_id=token_id)
     typer.echo(f"revoked {n} token(s)")
     if n == 0:
@@ -136,6 +142,7 @@ def _limit_values(row: Any) -> list[str]:
 
 
 @token_app.command("limits")
+@admin_errors
 def token_limits(
     name: Annotated[str | None, typer.Argument(help="the owner (a token's name)")] = None,
     max_priority: Annotated[
@@ -149,11 +156,11 @@ def token_limits(
     clear: Annotated[
         bool, typer.Option("--clear", help="limits not given go back to the service's settings")
     ] = False,
+    data_dir: DataDir = None,
 ) -> None:
     """Set an owner's limits (only those given change) and print them; with no NAME, list
     every owner's. "-": the service's setting applies (TRAINQ_MAX_PRIORITY, ...). The API
     sees a change within TRAINQ_TOKEN_CACHE_S."""
-    from service.api.core.db import make_engine, make_sessionmaker
     from service.api.scheduling.limits import list_limits, set_limits
 
     values = {
@@ -175,17 +182,13 @@ def token_limits(
             raise typer.BadParameter(f"at most {2**31 - 1}", param_hint=flag)
     if max_priority is not None and not -1000 <= max_priority <= 1000:
         raise typer.BadParameter("a priority from -1000 to 1000", param_hint="--max-priority")
-    engine = make_engine(_settings())  # disposed: a test or a script may call this many times
-    try:
-        with make_sessionmaker(engine)() as session, session.begin():
-            if name is None:
-                typer.echo("\t".join(["owner", *values]))
-                for r in list_limits(session):
-                    typer.echo("\t".join([r.owner, *_limit_values(r)]))
-                return
-            shown = _limit_values(set_limits(session, name, clear=clear, **values))
-    finally:
-        engine.dispose()
+    with instance(data_dir).session(write=True) as session:
+        if name is None:
+            typer.echo("\t".join(["owner", *values]))
+            for r in list_limits(session):
+                typer.echo("\t".join([r.owner, *_limit_values(r)]))
+            return
+        shown = _limit_values(set_limits(session, name, clear=clear, **values))
     typer.echo(f"{name}: " + " ".join(f"{f}={v}" for f, v in zip(values, shown, strict=True)))
 
 

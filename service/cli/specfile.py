@@ -27,7 +27,12 @@ def _scalar(text: str) -> Any:
 
 
 def apply_override(spec: dict[str, Any], assignment: str) -> None:
-    """``train.steps=500``: set a value at a dotted path (the value is read as YAML)."""
+    """``train.steps=500``: set a value at a dotted path (the value is read as YAML).
+
+    A key that names one of several alternatives (``trainer.config.REPLACES``: a dataset
+    instead of a data path, say) drops the others, which the API would refuse beside it."""
+    from trainer.config import REPLACES
+
     path, sep, raw = assignment.partition("=")
     keys = [k.strip() for k in path.split(".")]
     if not sep or not all(keys):
@@ -39,7 +44,20 @@ def apply_override(spec: dict[str, Any], assignment: str) -> None:
             where = ".".join(keys[: i + 1])
             raise SpecError(f"--set {assignment!r}: {where} is not a mapping in the spec")
         node = child
-    node[keys[-1]] = _scalar(raw)
+    value = _scalar(raw)
+    node[keys[-1]] = value
+    if value is not None:
+        for other in REPLACES.get(".".join(keys), ()):
+            _drop(spec, other.split("."))
+
+
+def _drop(spec: dict[str, Any], keys: list[str]) -> None:
+    """Remove the value at the dotted path ``keys`` if the spec has it."""
+    node: Any = spec
+    for key in keys[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(keys[-1], None)
 
 
 def load_spec(path: Path, overrides: list[str]) -> dict[str, Any]:

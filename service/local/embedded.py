@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = [
     "NoRedis",
     "db_number",
+    "embedded_database_url",
     "free_port",
     "gpu_queues",
     "is_loopback",
@@ -25,6 +26,12 @@ __all__ = [
     "redis_binary",
     "with_db",
 ]
+
+
+def embedded_database_url(data_dir: Path) -> str:
+    """The SQLite store of the data folder ``data_dir``: where ``trainq up`` keeps it unless
+    TRAINQ_DATABASE_URL says otherwise, and where the admin commands look for it."""
+    return f"sqlite:///{data_dir / 'trainq.db'}"
 
 
 class NoRedis(RuntimeError):

@@ -40,6 +40,7 @@ from service.local.demo import DEMO_STEPS, run_demo
 from service.local.embedded import (
     NoRedis,
     db_number,
+    embedded_database_url,
     free_port,
     gpu_queues,
     is_loopback,
@@ -140,7 +141,7 @@ class Up:
         env["PYTHONUNBUFFERED"] = "1"
         chosen = settings.model_fields_set  # what TRAINQ_* variables set explicitly
         if "database_url" not in chosen:
-            env["TRAINQ_DATABASE_URL"] = f"sqlite:///{self.data_dir / 'trainq.db'}"
+            env["TRAINQ_DATABASE_URL"] = embedded_database_url(self.data_dir)
         if "data_root" not in chosen:
             env["TRAINQ_DATA_ROOT"] = str(self.data_dir / "data")
         if "runs_root" not in chosen:
@@ -349,6 +350,7 @@ class Up:
         auth = ' -H "Authorization: Bearer $TRAINQ_TOKEN"' if self.token else ""
         q = shlex.quote
         self.say(f"trainq is up in {took:.1f}s: {self.url}  (API docs: {self.url}/docs)")
+        self.say(f"  dashboard: {self.url}/  (in a browser)")
         self.say(f"  store:   {env['TRAINQ_DATABASE_URL']}; {self.redis_desc}")
         self.say(f"  data:    {env['TRAINQ_DATA_ROOT']}  runs: {env['TRAINQ_RUNS_ROOT']}")
         self.say(f"  workers: {', '.join(self.worker_names)}  logs: {self.data_dir / 'logs'}")
@@ -356,6 +358,9 @@ class Up:
             token_file = q(str(self.data_dir / "admin-token"))
             self.say(f"  auth on: export TRAINQ_TOKEN=$(cat {token_file})")
         local = trainq_command()
+        if self.token:
+            data_dir = q(str(self.data_dir))
+            self.say(f"  tokens:  {local} token create --data-dir {data_dir} --name NAME")
         trainq = f"TRAINQ_URL={self.url} {local}"
         self.say("try:")
         self.say(f"  curl -s{auth} {self.url}/v1/workers")

@@ -25,7 +25,7 @@ import pytest
 
 from tests.e2e.system import free_port, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 PACKAGE = ["pyproject.toml", "README.md", "service", "worker", "trainer", "migrations"]
 
@@ -78,11 +78,20 @@ def venv(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=120)
     pip = subprocess.run(
-        [str(root / "venv/bin/python"), "-m", "pip", "install", "-q", "torch==2.13.0", str(src)],
+        # README's install command: the package with its hf extra.
+        [
+            str(root / "venv/bin/python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "torch==2.13.0",
+            f"{src}[hf]",
+        ],
         env=env,
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=900,  # transformers and its dependencies too, as the README installs
     )
     assert pip.returncode == 0, pip.stderr[-3000:]
     return root / "venv"
@@ -137,6 +146,9 @@ def test_trainq_up_demo_from_a_fresh_venv(venv: Path, tmp_path: Path) -> None:
         job = wait_for(lambda: look(demo), 240, "the demo job to end", every=0.3)
         assert job["status"] == "succeeded", job
         assert job["latest"]["step"] == 10, job
+        # The default output works: the finished run has its Hugging Face folder to download.
+        ckpts = httpx.get(f"{url}/v1/jobs/{job['id']}/checkpoints", timeout=5).json()["items"]
+        assert "hf" in ckpts[-1]["formats"], ckpts
         # The demo's closing line follows the status the API shows, a moment later.
         closing = f"demo: job {job['id']} succeeded"
         wait_for(lambda: closing in out_path.read_text(), 30, "the demo's closing line")

@@ -99,7 +99,9 @@ def test_a_run_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
     done = _export(tmp_path / "run", tmp_path / "m.onnx")
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        f"trainer.export: error: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}"
+        f"trainer.export: error: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}: "
+        "a run writes one every train.checkpoint.every steps and when it ends; wait for one, "
+        "or pass --checkpoint DIR"
     ]
     with pytest.raises(ExportError, match="no complete checkpoint"):
         load_model(tmp_path / "run")
@@ -178,3 +180,61 @@ def test_hf_export_carries_the_datasets_tokenizer(
     assert export_main([*argv, "--data-root", str(tmp_path / "none")]) == 0
     assert sorted(p.name for p in out.iterdir()) == names[:2]
     assert "(--data-root?): no tokenizer is exported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, blocked, code, says",
+    [
+        (["--run-dir", "{tmp}/nope", "--out", "m.onnx"], None, 1,
+         "--run-dir {tmp}/nope is not a folder"),
+        (["--run-dir", "{run}", "--out", "m.pt2", "--checkpoint", "{tmp}"], None, 1,
+         "(no meta.json)"),
+        (["--run-dir", "{run}", "--out", "{tmp}/hf", "--format", "hf"], "transformers", 1,
+         "--format hf needs transformers and safetensors (transformers missing): "
+         "pip install 'trainq[hf]'"),
+        (["--run-dir", "{run}", "--out", "{tmp}/m.onnx"], "onnxscript", 1,
+         "pip install 'trainq[export]'"),
+        (["--run-dir", "{run}", "--out", "m", "--format", "xyz"], None, 2,
+         "argument --format: invalid choice: 'xyz'"),
+        (["--run-dir", "{run}", "--out", "m.txt"], None, 2, "name it .onnx or .pt2"),
+        (["--out", "m.pt2"], None, 2, "give --run-dir RUN"),
+        (["--run-dir", "{run}", "--out", "/proc/no/m.pt2"], None, 1, "cannot write /proc/no/m.pt2"),
+    ],
+)  # fmt: skip
+def test_export_errors_are_one_line_with_the_fix(
+    ddp_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    blocked: str | None,
+    code: int,
+    says: str,
+) -> None:
+    from trainer.export import main
+
+    if blocked is not None:
+        monkeypatch.setitem(sys.modules, blocked, None)  # what find_spec sees: not installed
+    argv = [a.format(tmp=tmp_path, run=ddp_run) for a in args]
+    try:
+        got = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        got = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert got == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "error: " in lines[0] and says.format(tmp=tmp_path) in lines[0], lines[0]
+    assert not (tmp_path / "hf").exists()  # a missing extra is found before anything is written
+
+
+def test_missing_extra_takes_an_import_probe() -> None:
+    from trainer.export import missing_extra
+
+    assert missing_extra("pt2", lambda _: None) is None  # torch alone
+    assert missing_extra("hf", lambda name: object()) is None
+    only = missing_extra("hf", lambda name: None if name == "safetensors" else object())
+    assert only == (
+        "--format hf needs transformers and safetensors (safetensors missing): "
+        "pip install 'trainq[hf]'"
+    )
