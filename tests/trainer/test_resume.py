@@ -76,7 +76,7 @@ def test_fsdp_sigterm_saves_and_rerun_resumes_exactly(
     # As a worker cancelling or a node draining does: SIGTERM to the whole process group.
     os.killpg(proc.pid, signal.SIGTERM)
     _, out = runs.finish(proc, timeout=60)
-    saved = [line for line in out.splitlines() if "preempted, checkpoint saved at step" in line]
+    saved = [line for line in out.splitlines() if "stopped on SIGTERM; checkpoint saved at step" in line]
     assert len(saved) == 1, out
     step = int(saved[0].rsplit(" ", 1)[1])
     assert 3 <= step < 20, out

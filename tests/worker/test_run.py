@@ -134,7 +134,7 @@ def test_cancel_mid_run_stops_every_process(
     t0 = time.monotonic()
     wire.cancel(job)
     done = wire.exited(job, 1, timeout=30)
-    assert done["reason"] == "cancelled" and done["message"] == "cancelled by request"
+    assert done["reason"] == "cancelled" and done["message"] == "cancelled by the user"
     assert done["exit_code"] == -15, "the SIGTERM the worker sent, not torchrun's 1"
     assert time.monotonic() - t0 < 15, "SIGTERM should have been enough"
     assert run_processes(run_dir) == []
