@@ -168,4 +168,3 @@ def stop_line(
     else:
         how = "stopped before saving a checkpoint"
     return f"{message}; {how}"
-

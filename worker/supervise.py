@@ -352,6 +352,7 @@ class _Attempt:
             if stop_reason is not None:
                 if stop_reason == "preempted" and self.cancel.cancelled():
                     # The user cancelled while it stopped for another reason: a cancel.
+                    log.info("attempt %s was cancelled while it yielded", _label(msg))
                     stop_reason, stop_message = "cancelled", CANCELLED
                 last_line = stop_line(stop_message, stop_signal, exit_info, s.cancel_grace_s)
             logs.close(last_line=last_line)

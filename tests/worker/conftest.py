@@ -112,6 +112,22 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
+def assert_stopped_log(lines: list[dict[str, Any]], why: str) -> None:
+    """A run the worker stopped: its log ends with the worker's one line saying why and at
+    which step, and holds none of torchrun's agent traceback or shutdown notices."""
+    text = "\n".join(ln["line"] for ln in lines)
+    for noise in ("Traceback", "SignalException", "death signal", "closing signal"):
+        assert noise not in text, text[-3000:]
+    assert "FutureWarning" not in text, "a deprecated call printed by every rank"
+    last = lines[-1]
+    assert (last["rank"], last["line"].startswith(f"trainq: {why}; stopped at step ")) == (
+        None,
+        True,
+    ), last
+    assert last["line"].endswith(" (checkpoint saved)"), last
+    assert [ln["line"] for ln in lines if why in ln["line"]] == [last["line"]], "one line"
+
+
 class Wire:
     """Reads one Redis database the way the service does: per-job streams and keys."""
 
