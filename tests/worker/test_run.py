@@ -230,6 +230,9 @@ def test_a_crashing_rank_reports_its_own_error_line(
     lines = wire.log_lines(job)
     text = [ln["line"] for ln in lines]
     assert any(t.endswith("IndexError: index out of range in self") for t in text), text
+    # The rank's own traceback reaches the user; the worker stopped nothing, so says nothing.
+    assert any(ln["rank"] is not None and "Traceback" in ln["line"] for ln in lines), lines
+    assert not any(t.startswith("trainq:") for t in text), text
     assert not any("OMP_NUM_THREADS" in t or "ChildFailedError" in t for t in text), text
     agent = [ln["line"] for ln in lines if ln["rank"] is None]
     # torchrun's own account is one line per failed rank (the rank it stopped with SIGTERM
