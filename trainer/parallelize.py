@@ -140,7 +140,7 @@ def apply_ddp(model: nn.Module, device: torch.device) -> DDP:
     return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
 
 
-_NO_FORWARD_BUFFER_SYNC = (
+_NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     else {"broadcast_buffers": False}
