@@ -11,6 +11,7 @@ accumulation skips the gradient reduction on all but the last micro-step.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,14 +126,25 @@ def apply_ddp(model: nn.Module, device: torch.device) -> DDP:
     - ``gradient_as_bucket_view``: the gradients are views into DDP's reduction buckets,
       not separate tensors copied in before and out after each all-reduce (one copy of
       every gradient less per step, and its memory);
-    - ``broadcast_buffers=False``: no broadcast of the module's buffers from rank 0 before
-      every forward (a collective and a sync point per step). The buffers of these models
-      are constants (a transformers model's rotary ``inv_freq``; the native families have
-      none) that DDP's constructor has already made equal on every rank, and that training
-      does not change (no batch-norm statistics), as FSDP2 never broadcasts them either.
+    - no broadcast of the module's buffers from rank 0 before every forward (a collective
+      and a sync point per step). The buffers of these models are constants (a
+      transformers model's rotary ``inv_freq``; the native families have none), equal on
+      every rank, that training does not change (no batch-norm statistics), as FSDP2
+      never broadcasts them either.
+
+    The option is ``forward_sync_buffers=False`` where torch has it (it still syncs the
+    buffers once, at construction); before, ``broadcast_buffers=False``, which torch now
+    deprecates with a FutureWarning that every rank would print at the top of every log.
     """
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, broadcast_buffers=False)
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
+
+
+_NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def apply_fsdp(

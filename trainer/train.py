@@ -411,8 +411,12 @@ def _fail_nan(env: TrainerEnv, run_dir: Path, step: int, loss: float) -> int:
 
 
 def _preempted(env: TrainerEnv, run_dir: Path, step: int) -> int:
-    """SIGTERM reached a rank; all of them saved at this step and now exit 0."""
-    message = f"preempted, checkpoint saved at step {step}"
+    """SIGTERM reached a rank; all of them saved at this step and now exit 0.
+
+    The line says what the ranks did, not why: a SIGTERM may be a user's cancel, a deadline
+    or a preemption, which only its sender knows (under trainq the worker says which). The
+    exit.json reason stays ``preempted``: a stop nobody asked the service for is one."""
+    message = f"stopped on SIGTERM; checkpoint saved at step {step}"
     _say(env, message)
     if env.is_main:
         write_exit_file(

@@ -119,6 +119,13 @@ class LogForwarder:
             self._pub.emit("log", {"lines": self._pending})
             self._pending = []
 
+    def _own(self, text: str) -> dict[str, Any]:
+        """A line of the worker's own (rank null, like torchrun's), marked ``trainq:``."""
+        item: dict[str, Any] = {"rank": None, "stream": "stderr", "line": f"trainq: {text}"}
+        if self._node is not None:
+            item["node"] = self._node
+        return item
+
     def _tick(self) -> None:
         """Sends what waits ``batch_s`` after the first line of a batch arrived. Asleep while
         nothing is pending: a quiet run costs no wake-ups."""
@@ -130,8 +137,9 @@ class LogForwarder:
                 self._emit_locked()
                 self._waiting.clear()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Read to EOF (bounded: a stray process may hold a pipe), then emit what is left."""
+    def close(self, timeout: float = 5.0, last_line: str | None = None) -> None:
+        """Read to EOF (bounded: a stray process may hold a pipe), then emit what is left,
+        and ``last_line`` after it: the worker's own closing line (why it stopped the run)."""
         for t in self._readers:
             t.join(timeout)
         self._stop.set()
@@ -141,15 +149,14 @@ class LogForwarder:
             last = list(self._held)
             self._held.clear()
             if self.lines - self._max_lines > len(last):
-                note: dict[str, Any] = {"rank": None, "stream": "stderr"}
-                note["line"] = (
-                    f"trainq: {self.lines - self._max_lines - len(last)} log lines not kept:"
+                note = self._own(
+                    f"{self.lines - self._max_lines - len(last)} log lines not kept:"
                     f" this attempt printed {self.lines}, past the cap of {self._max_lines};"
                     f" its last {len(last)} follow"
                 )
-                if self._node is not None:
-                    note["node"] = self._node
                 last.insert(0, note)
+            if last_line is not None:
+                last.append(self._own(last_line))
             for item in last:  # in batches, as they would have gone
                 self._pending.append(item)
                 if len(self._pending) >= self._batch_lines:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from trainer.events import REASONS, ExitCode
 
-__all__ = ["Outcome", "classify", "rank_exit_code", "read_exit_json"]
+__all__ = ["Outcome", "classify", "rank_exit_code", "read_exit_json", "stop_line"]
 
 _CODE_REASON = {
     ExitCode.NAN_LOSS: "nan_loss",
@@ -151,3 +151,21 @@ def classify(
     lines = list(tail)
     message = head + ("; last lines:\n" + "\n".join(lines) if lines else "")
     return Outcome(code, "exit_code", message)
+
+
+def stop_line(
+    message: str, stop_signal: int | None, exit_info: dict[str, object] | None, grace_s: float
+) -> str:
+    """The one log line that ends an attempt the worker stopped: why (``message``: the
+    cancel, the deadline, the preemption) and how far the run got, from the step the ranks
+    recorded when they saved on the way out (trainer.train), or the signal that ended it."""
+    step = exit_info.get("step") if exit_info and exit_info.get("reason") == "preempted" else None
+    if step is not None:
+        how = f"stopped at step {step} (checkpoint saved)"
+    elif stop_signal == signal.SIGKILL:
+        how = f"killed: still running {grace_s:g} s after SIGTERM"
+    elif stop_signal is None:
+        how = "the run had already ended"
+    else:
+        how = "stopped before saving a checkpoint"
+    return f"{message}; {how}"

@@ -44,7 +44,7 @@ from worker.launch import (
 )
 from worker.logs import LogForwarder
 from worker.message import JobMessage
-from worker.outcome import Outcome, classify, read_exit_json
+from worker.outcome import Outcome, classify, read_exit_json, stop_line
 from worker.procs import kill_group, signal_group, wait_group_gone
 from worker.watchers import CancelWatch, Heartbeat
 
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 CLAIM_TTL_S = 7 * 24 * 3600
 GANG_TTL_S = 24 * 3600  # a late node finds the gang closed for this long
 _CLAIM_RETRY_S = 30.0  # Redis briefly away at claim time: wait for it rather than drop the task
+CANCELLED = "cancelled by the user"
 
 
 def _label(msg: JobMessage) -> str:
@@ -369,7 +370,15 @@ class _Attempt:
                 log.error("process group %d of %s survived SIGKILL", pgid, msg.job_id)
             code = proc.wait()
             proc.stdin.close()
-            logs.close()
+            exit_info = read_exit_json(run_dir)
+            last_line = None
+            if stop_reason is not None:
+                if stop_reason == "preempted" and self.cancel.cancelled():
+                    # The user cancelled while it stopped for another reason: a cancel.
+                    log.info("attempt %s was cancelled while it yielded", _label(msg))
+                    stop_reason, stop_message = "cancelled", CANCELLED
+                last_line = stop_line(stop_message, stop_signal, exit_info, s.cancel_grace_s)
+            logs.close(last_line=last_line)
         try:  # torchrun makes its log folders with mkdtemp (0700); the run is over now
             fix_tree(run_dir / "logs")
         except OSError as exc:
@@ -379,7 +388,7 @@ class _Attempt:
             stop_reason=stop_reason,
             stop_message=stop_message,
             stop_signal=stop_signal,
-            exit_info=read_exit_json(run_dir),
+            exit_info=exit_info,
             agent_lines=logs.agent,
             tail=logs.last_lines(),
         )
@@ -406,7 +415,7 @@ class _Attempt:
                     return "cancelled", self._stopped_message()
                 if self.cancel.preempted is not None:
                     return "preempted", self.cancel.preempted
-                return "cancelled", "cancelled by request"
+                return "cancelled", CANCELLED
             if deadline is not None and time.monotonic() >= deadline:
                 return "timeout", f"ran past max_runtime_s={limit}"
         return None, ""

@@ -113,6 +113,15 @@ class CancelWatch:
             log.debug("cancel check failed: %s", exc)
         return self.requested.is_set()
 
+    def cancelled(self) -> bool:
+        """Whether the job's cancel key is set now (a Redis error reads as not): a stop that
+        began as a preemption, or a shutdown, and that the user then cancelled is theirs."""
+        try:
+            return bool(self._client.exists(self._key))
+        except Exception as exc:
+            log.debug("cancel check failed: %s", exc)
+            return False
+
     def start(self) -> CancelWatch:
         self._thread.start()
         return self

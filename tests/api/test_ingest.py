@@ -84,7 +84,7 @@ def test_full_lifecycle_through_the_real_publisher(api: Api) -> None:
     assert [p["step"] for p in metrics["points"]] == [1, 2, 3, 4, 5]
     assert metrics["points"][3]["val_loss"] == pytest.approx(2.5)
     logs = api.client.get(f"/v1/jobs/{job['id']}/logs", headers=api.headers())
-    assert logs.text == "[rank 0] step 1\n[rank 0] step 2\n"
+    assert logs.text == "[a1 rank 0] step 1\n[a1 rank 0] step 2\n"
 
 
 def test_replay_changes_nothing(api: Api, sim: Callable[..., WorkerSim]) -> None:
@@ -226,14 +226,14 @@ def test_logs_tail_rank_filter_and_caps(api: Api, sim: Callable[..., WorkerSim])
     url = f"/v1/jobs/{job['id']}/logs"
     all_lines = api.client.get(url, headers=api.headers()).text.splitlines()
     assert all_lines[:4] == [
-        "[rank 0] r0 a",
-        "[rank 1] r1 a",
-        "[rank 0] r0 b",
-        "[worker] worker says",
+        "[a1 rank 0] r0 a",
+        "[a1 rank 1] r1 a",
+        "[a1 rank 0] r0 b",
+        "[a1 worker] worker says",
     ]
     assert len(all_lines[4]) < 8300 and all_lines[4].endswith("…")  # capped line
     assert api.client.get(url, params={"tail": 2}, headers=api.headers()).text.splitlines()[0] == (
-        "[worker] worker says"
+        "[a1 worker] worker says"
     )
     rank0 = api.client.get(url, params={"rank": 0}, headers=api.headers()).text.splitlines()
-    assert rank0 == ["[rank 0] r0 a", "[rank 0] r0 b"]
+    assert rank0 == ["[a1 rank 0] r0 a", "[a1 rank 0] r0 b"]

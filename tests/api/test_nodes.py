@@ -104,7 +104,7 @@ def test_one_message_per_node_and_the_attempt_succeeds_when_every_node_did(api: 
     assert done["attempts"][0]["status"] == "exited" and done["attempts"][0]["exit_code"] == 0
     assert _statuses(api, job["id"]) == ["running", "succeeded"]
     logs = api.client.get(f"/v1/jobs/{job['id']}/logs", headers=api.headers()).text
-    assert logs == "[node 0 rank 0] from node 0\n[node 2 worker] agent of node 2\n"
+    assert logs == "[a1 node 0 rank 0] from node 0\n[a1 node 2 worker] agent of node 2\n"
 
     # Applied twice: the same events again change nothing.
     before = (api.get(job["id"]), _node_exits(api, job["id"]), logs)

@@ -136,7 +136,7 @@ def test_logs_follow_streams_until_the_end(
         w.exited(0)
         assert done.wait(15), got
         t.join(5)
-    assert got == ["[rank 0] before", "[rank 1] during", "[rank 0] more"]
+    assert got == ["[a1 rank 0] before", "[a1 rank 1] during", "[a1 rank 0] more"]
 
 
 async def _follow_many(

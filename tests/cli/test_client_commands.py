@@ -164,7 +164,7 @@ def test_logs_follow_ends_when_the_job_ends(cli_system: CliSystem, trainq: Run) 
     with cli_system.api.client() as http:
         # logs -f returned on its own, so the job must be over (not merely quiet).
         assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
-    assert "[rank 0]" in logs.out and "step 8/8" in logs.out, logs.out[-2000:]
+    assert "[a1 rank 0]" in logs.out and "step 8/8" in logs.out, logs.out[-2000:]
     assert time.monotonic() - started < 170
     tail = trainq("logs", job_id, "--tail", "2", url=cli_system.api.url)
     assert tail.code == 0 and len(tail.out.splitlines()) == 2, tail

@@ -113,7 +113,7 @@ def test_two_nodes_of_one_rank_run_on_two_workers_and_train_like_one_node_of_two
     }
     assert exits[1]["source"] == "worker:1" and exits[0]["source"] == "worker"
     logs = cluster.logs(gang)
-    assert "[node 0 rank 0] step 100/100" in logs, logs[-2000:]
+    assert "[a1 node 0 rank 0] step 100/100" in logs, logs[-2000:]
     assert cluster.processes(gang) == []
 
     mine, straight = losses(cluster.metrics(gang)), single_node

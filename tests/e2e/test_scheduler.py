@@ -20,6 +20,7 @@ The workers serve overlapping queues, so one system gives each test the shape it
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -182,6 +183,12 @@ def test_a_high_priority_job_preempts_a_low_one_which_resumes_exactly(sched: Sch
     first, second = done["attempts"]
     assert first["reason"] == "preempted", first
     assert f"preempted by job {high} (priority 5)" in first["message"], first
+    # The preempted attempt's log ends with one line that says so, and no traceback.
+    with sched.client(token) as c:
+        logs = c.get(f"/v1/jobs/{low}/logs", params={"attempt": 1}).text.splitlines()
+    assert not [ln for ln in logs if "Traceback" in ln or "SignalException" in ln], logs[-30:]
+    assert logs[-1].startswith(f"[a1 worker stderr] trainq: preempted by job {high}"), logs[-5:]
+    assert re.search(r"; stopped at step \d+ \(checkpoint saved\)$", logs[-1]), logs[-1]
     # The high job ran between the low job's two attempts, on the one slot.
     ran = _window(job)
     assert datetime.fromisoformat(first["ended_at"]) <= ran[0]

@@ -198,6 +198,8 @@ def test_submit_runs_two_ranks_to_success_with_metrics_live_and_in_sql(
     assert attempt["worker"].startswith("e2e-") and attempt["host"]
     assert job["latest"]["step"] == STEPS
     assert "ddp x2" in reference.logs, "torchrun ran 2 ranks"
+    assert "FutureWarning" not in reference.logs, "a deprecated call printed by every rank"
+    assert all(ln.startswith("[a1 ") for ln in reference.logs.splitlines()), reference.logs
 
     # The stream was open before the first step was trained: every metric came live.
     assert reference.at_open["job"]["status"] in ("queued", "running")
@@ -253,6 +255,17 @@ def test_cancel_mid_run_leaves_no_process(cluster: Cluster) -> None:
     assert (job["status"], job["reason"]) == ("cancelled", "cancelled"), job
     assert [a["status"] for a in job["attempts"]] == ["exited"]
     assert statuses(follower.wait_closed(30))[-3:] == ["running", "cancelling", "cancelled"]
+    # Its log ends with one line that says so, not torchrun's traceback of the SIGTERM.
+    logs = cluster.logs(job_id)
+    for noise in ("Traceback", "SignalException", "preempt"):
+        assert noise not in logs, logs[-3000:]
+    said = [ln for ln in logs.splitlines() if "cancelled" in ln]
+    assert len(said) == 1 and said[0] == logs.splitlines()[-1], logs[-3000:]
+    assert re.fullmatch(
+        r"\[a1 worker stderr\] trainq: cancelled by the user; stopped at step \d+ "
+        r"\(checkpoint saved\)",
+        said[0],
+    ), said
 
 
 def test_worker_killed_mid_run_is_retried_elsewhere_and_resumes_exactly(
@@ -303,6 +316,15 @@ def test_worker_killed_mid_run_is_retried_elsewhere_and_resumes_exactly(
     # Attempt 2 resumed from attempt 1's checkpoint ...
     resumed = RESUMED.search(cluster.logs(job_id, attempt=2))
     assert resumed, cluster.logs(job_id, attempt=2)
+    # One log of both attempts, each line tagged with its own.
+    both = cluster.logs(job_id).splitlines()
+    assert both == [
+        *cluster.logs(job_id, attempt=1).splitlines(),
+        *cluster.logs(job_id, attempt=2).splitlines(),
+    ]
+    tags = [ln.split(" ", 1)[0] for ln in both]
+    assert tags == sorted(tags) and set(tags) == {"[a1", "[a2"}, both
+    assert any(ln.startswith("[a2 rank 0] resumed from") for ln in both), both
     step = int(resumed.group(2))
     assert 5 <= step < STEPS and step % 5 == 0
     assert Path(resumed.group(1)).parent == run_dir.resolve() / "checkpoints"

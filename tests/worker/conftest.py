@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,19 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
         ):
             return pid
     return None
+
+
+def assert_stopped_log(lines: list[dict[str, Any]], why: str) -> None:
+    """A run the worker stopped: its log ends with the worker's one line saying why and at
+    which step, and holds none of torchrun's agent traceback or shutdown notices."""
+    text = "\n".join(ln["line"] for ln in lines)
+    for noise in ("Traceback", "SignalException", "death signal", "closing signal"):
+        assert noise not in text, text[-3000:]
+    assert "FutureWarning" not in text, "a deprecated call printed by every rank"
+    last = lines[-1]
+    assert last["rank"] is None and last["line"].startswith(f"trainq: {why}"), last
+    assert re.search(r"; stopped at step \d+ \(checkpoint saved\)$", last["line"]), last
+    assert [ln["line"] for ln in lines if why in ln["line"]] == [last["line"]], "one line"
 
 
 class Wire:

@@ -15,6 +15,7 @@ import pytest
 from tests.worker.conftest import (
     Wire,
     WorkerProc,
+    assert_stopped_log,
     message,
     new_job,
     rank_pid,
@@ -76,6 +77,7 @@ def test_worker_sigterm_preempts_its_runs_and_deregisters(
     done = wire.exited(job, 1, timeout=5)
     assert done["reason"] == "preempted" and "w1 shut down" in done["message"]
     assert done["exit_code"] == -15, "the SIGTERM the worker sent, not torchrun's 1"
+    assert_stopped_log(wire.log_lines(job), "worker w1 shut down")
     assert _checkpointed(runs_root / job), "ranks checkpoint on the way out"
     assert run_processes(runs_root / job) == []
     assert wire.worker_entry("w1") is None, "a clean shutdown leaves the registry"

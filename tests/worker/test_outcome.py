@@ -45,7 +45,7 @@ def test_a_stop_the_worker_asked_for_records_the_signal_it_sent() -> None:
     # The grace ran out: SIGKILL followed.
     assert _classify(1, stop_reason="cancelled", stop_message="m", stop_signal=9)[0] == -9
     # SIGTERM from outside the worker: the trainer checkpoints, says so, and exits 0.
-    info = {"reason": "preempted", "message": "preempted, checkpoint saved at step 9"}
+    info = {"reason": "preempted", "message": "stopped on SIGTERM; checkpoint saved at step 9"}
     assert _classify(0, exit_info=info)[1:] == ("preempted", info["message"])
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from tests.worker.conftest import (
     Wire,
     WorkerProc,
+    assert_stopped_log,
     message,
     new_job,
     proc_env,
@@ -150,13 +151,35 @@ def test_cancel_mid_run_stops_every_process(
     t0 = time.monotonic()
     wire.cancel(job)
     done = wire.exited(job, 1, timeout=30)
-    assert done["reason"] == "cancelled" and done["message"] == "cancelled by request"
+    assert done["reason"] == "cancelled" and done["message"] == "cancelled by the user"
     assert done["exit_code"] == -15, "the SIGTERM the worker sent, not torchrun's 1"
     assert time.monotonic() - t0 < 15, "SIGTERM should have been enough"
     assert run_processes(run_dir) == []
     # SIGTERM (not SIGKILL) reached the ranks: they saved a checkpoint on the way out.
     assert list((run_dir / "checkpoints").glob("step-*/DONE"))
     assert not wire.r.exists(wire.keys.heartbeat(job, 1))
+    assert_stopped_log(wire.log_lines(job), "cancelled by the user")
+
+
+def test_a_user_cancel_during_a_preemption_is_a_cancel(
+    start_worker: Callable[..., WorkerProc], wire: Wire
+) -> None:
+    """The admitter asks the run to yield, and the user cancels it while it stops: the job
+    is the user's cancel, and its log never says preempted."""
+    w = start_worker("w1")
+    job = new_job()
+    wire.send(message(job, train=tiny(steps=100_000, checkpoint={"every": 0, "keep": 1})))
+    wait_for(lambda: len(wire.metrics(job)) >= 3, 60, "training to start")
+    wire.r.set(wire.keys.preempt(job, 1), "preempted by job jhigh (priority 5) on queue cpu")
+    wire.r.publish(wire.keys.cancel_channel(), job)
+    time.sleep(0.3)  # the watch has read the preempt key; the ranks take longer to stop
+    wire.cancel(job)
+    done = wire.exited(job, 1, timeout=30)
+    assert "cancelled while it yielded" in w.log(), "the stop began as a preemption"
+    assert (done["reason"], done["message"]) == ("cancelled", "cancelled by the user"), done
+    lines = wire.log_lines(job)
+    assert not [ln for ln in lines if "preempt" in ln["line"]], lines[-5:]
+    assert_stopped_log(lines, "cancelled by the user")
 
 
 def test_cancel_flag_set_before_launch(
@@ -223,6 +246,9 @@ def test_a_crashing_rank_reports_its_own_error_line(
     lines = wire.log_lines(job)
     text = [ln["line"] for ln in lines]
     assert any(t.endswith("IndexError: index out of range in self") for t in text), text
+    # The rank's own traceback reaches the user; the worker stopped nothing, so says nothing.
+    assert any(ln["rank"] is not None and "Traceback" in ln["line"] for ln in lines), lines
+    assert not any(t.startswith("trainq:") for t in text), text
     assert not any("OMP_NUM_THREADS" in t or "ChildFailedError" in t for t in text), text
     agent = [ln["line"] for ln in lines if ln["rank"] is None]
     # torchrun's own account is one line per failed rank (the rank it stopped with SIGTERM

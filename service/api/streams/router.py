@@ -181,7 +181,11 @@ def _log_tail(
     follow: bool,
 ) -> tuple[list[str], dict[tuple[int, int], int]]:
     def lines_of(chunk: Any) -> list[str]:
-        return [format_log_line(x) for x in chunk["lines"] if rank is None or x.get("rank") == rank]
+        return [
+            format_log_line(x, chunk["attempt"])
+            for x in chunk["lines"]
+            if rank is None or x.get("rank") == rank
+        ]
 
     with services.reader.connect() as session:
         if not crud.job_exists(session, principal, job_id):
@@ -222,7 +226,8 @@ async def job_logs(
     rank: Annotated[int | None, Query(ge=0, le=1_000_000)] = None,
     attempt: Annotated[int | None, Query(ge=1, le=1000)] = None,
 ) -> Response:
-    """Log lines as text, one per line with its rank; follow=true keeps streaming until the end."""
+    """Log lines as text, one per line tagged with its attempt and rank (``[a1 rank 0]``);
+    follow=true keeps streaming until the end."""
     if not follow:
         lines, _ = await run_in_threadpool(
             _log_tail, services, principal, job_id, tail, rank, attempt, False

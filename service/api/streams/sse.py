@@ -81,11 +81,15 @@ def format_sse(event: str, data: dict[str, Any], entry_id: str | None = None) ->
     return f"{head}event: {event}\ndata: {body}\n\n".encode()
 
 
-def format_log_line(item: dict[str, Any]) -> str:
+def format_log_line(item: dict[str, Any], attempt: int) -> str:
+    """``[a2 rank 0] text``: the attempt (a retry's lines follow the first's in one log),
+    the node of a multi-node attempt, the rank (``worker`` for torchrun's and the worker's
+    own lines), ``stderr`` for that stream."""
     rank, node = item.get("rank"), item.get("node")
     who = "worker" if rank is None else f"rank {rank}"
     if node is not None:  # a multi-node attempt: which host's worker or torchrun said it
         who = f"node {node} {who}"
+    who = f"a{attempt} {who}"
     if item.get("stream") == "stderr":
         who += " stderr"
     return f"[{who}] {item.get('line', '')}\n"
@@ -401,7 +405,7 @@ async def follow_logs(
         if not isinstance(lines, list):
             continue
         out = "".join(
-            format_log_line(x)
+            format_log_line(x, event.attempt)
             for x in lines
             if isinstance(x, dict) and (rank is None or x.get("rank") == rank)
         )

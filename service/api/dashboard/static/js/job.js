@@ -220,7 +220,7 @@ export function mountJob(view, state, jobId, { points = HISTORY_POINTS } = {}) {
       store.add(data);
       grid.schedule();
     } else if (kind === "log") {
-      logs.append(data.lines || []);
+      logs.append(data.lines || [], attempt);
     } else if (kind === "status") {
       // The row is the truth (a replayed status is old news): fetch it rather than apply this.
       refreshSoon();

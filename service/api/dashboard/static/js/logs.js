@@ -16,14 +16,17 @@ export class LogPane {
       this.pre);
   }
 
-  lineNode({ rank, stream, line }) {
-    const who = rank === null || rank === undefined ? "worker" : rank;
+  // The tag the text log (GET /v1/jobs/{id}/logs) gives a line: attempt, node, rank.
+  lineNode({ rank, node, stream, line }, attempt) {
+    let who = rank === null || rank === undefined ? "worker" : `rank ${rank}`;
+    if (node !== null && node !== undefined) who = `node ${node} ${who}`;
+    if (attempt !== null && attempt !== undefined) who = `a${attempt} ${who}`;
     return el("div", { class: stream === "stderr" ? "stderr" : "" }, `[${who}] ${line}`);
   }
 
-  append(lines) {
+  append(lines, attempt) {
     const atBottom = this.pre.scrollHeight - this.pre.scrollTop - this.pre.clientHeight < 24;
-    this.pre.append(...lines.map((l) => this.lineNode(l)));
+    this.pre.append(...lines.map((l) => this.lineNode(l, attempt)));
     this.after(lines.length, atBottom);
   }
 
