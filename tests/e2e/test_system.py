@@ -322,8 +322,10 @@ def test_worker_killed_mid_run_is_retried_elsewhere_and_resumes_exactly(
         *cluster.logs(job_id, attempt=1).splitlines(),
         *cluster.logs(job_id, attempt=2).splitlines(),
     ]
+    # Attempt 1's own lines may have died with its SIGKILLed worker before being forwarded;
+    # whatever of them arrived comes first and says a1.
     tags = [ln.split(" ", 1)[0] for ln in both]
-    assert tags == sorted(tags) and set(tags) == {"[a1", "[a2"}, both
+    assert tags == sorted(tags) and set(tags) <= {"[a1", "[a2"} and "[a2" in tags, both
     assert any(ln.startswith("[a2 rank 0] resumed from") for ln in both), both
     step = int(resumed.group(2))
     assert 5 <= step < STEPS and step % 5 == 0
