@@ -81,9 +81,7 @@ def test_an_owner_is_refused_past_the_bound_others_are_not_and_a_removal_gives_r
     assert again.status_code == 201, again.text
 
 
-def test_a_replay_at_the_bound_answers_its_job(
-    api: Api, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_replay_at_the_bound_answers_its_job(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     _bound(api, monkeypatch, 1)
     headers = {**api.headers(), "Idempotency-Key": f"k-{uuid.uuid4().hex}"}
     first = api.client.post("/v1/jobs", json=_body(api), headers=headers)
