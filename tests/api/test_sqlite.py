@@ -93,3 +93,30 @@ def test_sqlite_dataset_quota_holds_for_parallel_uploads(sqlite_api: Api) -> Non
     assert sorted(codes.values()) == [202, 202, 413, 413, 413, 413], codes
     listed = api.client.get("/v1/datasets", headers=api.headers()).json()["items"]
     assert sum(d["disk_bytes"] for d in listed) <= room
+
+
+def test_sqlite_runs_room_holds_for_parallel_submits(sqlite_api: Api) -> None:
+    """TRAINQ_RUNS_MAX_OWNER_BYTES on SQLite (the job_owners row's write lock): parallel
+    submits against room for two never pass it, and none fails for a locked database."""
+    import threading
+
+    api = sqlite_api
+    body = {"name": "r", "queue": api.queue, "train": {"steps": 5}}
+    plan = api.client.post("/v1/jobs", params={"dry_run": "true"}, json=body, headers=api.headers())
+    each = plan.json()["disk"]["run_bytes"]
+    api.settings.runs_max_owner_bytes = 2 * each + each // 2
+    start = threading.Barrier(6)
+    codes: list[int] = []
+
+    def one() -> None:
+        start.wait()
+        resp = api.client.post("/v1/jobs", json=body, headers=api.headers())
+        codes.append(resp.status_code)
+        assert resp.status_code == 201 or "TRAINQ_RUNS_MAX_OWNER_BYTES" in resp.text
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(codes) == [201, 201, 422, 422, 422, 422], codes

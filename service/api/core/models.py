@@ -36,6 +36,7 @@ __all__ = [
     "DATASET_OWNERS",
     "DATASET_STATUSES",
     "JOBS",
+    "JOB_OWNERS",
     "LOGS",
     "METRICS",
     "OWNER_LIMITS",
@@ -46,6 +47,7 @@ __all__ = [
     "Dataset",
     "DatasetOwner",
     "Job",
+    "JobOwner",
     "LogChunk",
     "Metric",
     "OwnerLimit",
@@ -121,6 +123,9 @@ class Job(Base):
     metric_attempt: Mapped[int | None] = mapped_column(Integer)
     last_step: Mapped[int | None] = mapped_column(Integer)
     last_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The run folder's worst case at submit (trainer.plan's disk estimate; 0: not known), what
+    # the job counts against its owner's TRAINQ_RUNS_MAX_OWNER_BYTES while its row exists.
+    disk_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key"),
@@ -267,6 +272,18 @@ class DatasetOwner(Base):
     locked_at: Mapped[datetime]
 
 
+class JobOwner(Base):
+    """One row per owner that submitted under TRAINQ_RUNS_MAX_OWNER_BYTES: each such submit
+    locks (updates) it first, so one owner's submits are checked one at a time across API
+    replicas (service.api.jobs.room). Apart from ``dataset_owners``: an upload and a submit
+    of one owner need not wait for each other."""
+
+    __tablename__ = "job_owners"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    locked_at: Mapped[datetime]
+
+
 # The tables, typed as such, for Core statements on the hot paths.
 JOBS = cast(Table, Job.__table__)
 ATTEMPTS = cast(Table, Attempt.__table__)
@@ -274,4 +291,5 @@ METRICS = cast(Table, Metric.__table__)
 LOGS = cast(Table, LogChunk.__table__)
 DATASETS = cast(Table, Dataset.__table__)
 DATASET_OWNERS = cast(Table, DatasetOwner.__table__)
+JOB_OWNERS = cast(Table, JobOwner.__table__)
 OWNER_LIMITS = cast(Table, OwnerLimit.__table__)

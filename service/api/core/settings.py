@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     # The most one job's run folder may hold at worst (trainer.plan's disk estimate:
     # checkpoint.keep checkpoints and their HF folders); above it a submit is a 422. 0: none.
     runs_max_job_bytes: int = Field(512 * 1024**3, ge=0)
+    # The most one owner's runs may hold together: the sum of the same estimate over every
+    # job of theirs not yet removed (a finished run keeps its folder till then); above it a
+    # submit is a 422. 0: none (the default: the room to give depends on the runs disk, and a
+    # bound submit skips the group commit, as it locks its owner; service.api.jobs.room).
+    runs_max_owner_bytes: int = Field(0, ge=0)
 
     # Anything but "off" keeps auth on, so a typo never opens the API.
     auth: str = "on"

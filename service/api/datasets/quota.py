@@ -25,11 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.core import owner_lock
 from service.api.core.errors import PayloadTooLarge
 from service.api.core.models import DATASET_OWNERS, DATASETS, utcnow
 
@@ -69,26 +67,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def lock_owner(session: Session, owner: str) -> None:
-    """Lock the owner's row till the transaction ends (inserted on first use). Call it
-    first in the transaction: on SQLite a write first takes the database's write lock
-    before anything was read."""
-    now = utcnow()
-    dialect = session.get_bind().dialect.name
-    if dialect in ("postgresql", "sqlite"):
-        upsert = pg_insert if dialect == "postgresql" else sqlite_insert
-        stmt = upsert(DATASET_OWNERS).values(owner=owner, locked_at=now)
-        session.execute(
-            stmt.on_conflict_do_update(index_elements=["owner"], set_={"locked_at": now})
-        )
-        return
-    touch = update(DATASET_OWNERS).where(DATASET_OWNERS.c.owner == owner)
-    if session.execute(touch.values(locked_at=now)).rowcount:  # type: ignore[attr-defined]
-        return
-    try:
-        with session.begin_nested():
-            session.execute(DATASET_OWNERS.insert().values(owner=owner, locked_at=now))
-    except IntegrityError:  # inserted meanwhile: lock it
-        session.execute(touch.values(locked_at=now))
+    """Lock the owner's ``dataset_owners`` row till the transaction ends (first in it)."""
+    owner_lock.lock_owner(session, DATASET_OWNERS, owner)
 
 
 def used(session: Session, owner: str, exclude: str | None = None) -> int:

@@ -28,6 +28,7 @@ from service.api.core.auth import Principal
 from service.api.core.db import AsyncReader
 from service.api.core.errors import Conflict, InvalidInput
 from service.api.core.models import ATTEMPTS, JOBS, new_job_id, utcnow
+from service.api.jobs import room as room_mod
 from service.api.jobs.schemas import JobSpec
 
 __all__ = [
@@ -66,8 +67,11 @@ _INSERT_JOB_AND_ATTEMPT = insert(ATTEMPTS).from_select(
 )
 
 
-def job_row(principal: Principal, spec: JobSpec, idempotency_key: str | None) -> dict[str, Any]:
-    """A new queued job's row (every column), as create_job and acreate_jobs insert it."""
+def job_row(
+    principal: Principal, spec: JobSpec, idempotency_key: str | None, disk_bytes: int = 0
+) -> dict[str, Any]:
+    """A new queued job's row (every column), as create_job and acreate_jobs insert it;
+    ``disk_bytes``: its run folder's worst case (service.api.jobs.room)."""
     return {
         "id": new_job_id(),
         "owner": principal.name,
@@ -95,61 +99,92 @@ def job_row(principal: Principal, spec: JobSpec, idempotency_key: str | None) ->
         "metric_attempt": None,
         "last_step": None,
         "last_metrics": None,
+        "disk_bytes": disk_bytes,
     }
 
 
 def create_job(
-    session: Session | Connection, principal: Principal, spec: JobSpec, idempotency_key: str | None
+    session: Session | Connection,
+    principal: Principal,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    *,
+    disk_bytes: int = 0,
+    room: int = 0,
 ) -> tuple[dict[str, Any], bool]:
     """Insert a queued job and its first attempt; (row, created). The same idempotency key
     with the same spec returns the existing job, with another spec raises Conflict. On
     PostgreSQL ``session`` may be an autocommit Connection (a data-modifying CTE then inserts
-    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs."""
-    row = job_row(principal, spec, idempotency_key)
-    spec_hash, now = row["spec_hash"], row["created_at"]
+    both rows in one statement); elsewhere a Session, and a transaction of two INSERTs.
+    With ``room`` (bytes; a Session), the job's ``disk_bytes`` must fit beside its owner's
+    other runs, checked under the owner's lock (service.api.jobs.room), else InvalidInput."""
+    row = job_row(principal, spec, idempotency_key, disk_bytes)
     try:
         if isinstance(session, Connection):
             # An autocommit PostgreSQL connection: the job and its attempt in one atomic
             # statement, one round trip (instead of BEGIN, two INSERTs, COMMIT).
             session.execute(_INSERT_JOB_AND_ATTEMPT, row)
+        elif room:
+            with session.begin():
+                room_mod.lock(session, principal.name)  # first: this owner's submits in turn
+                if idempotency_key is not None:
+                    found = _existing(session, principal, idempotency_key, row["spec_hash"])
+                    if found is not None:  # a replay creates nothing: never refused
+                        return found, False
+                room_mod.check(session, principal.name, disk_bytes, room)
+                _insert_job(session, row)
         else:
             with session.begin():
-                # Parameters apart from the statement: the compiled INSERT is cached.
-                session.execute(_INSERT_JOB, row)
-                session.execute(
-                    _INSERT_ATTEMPT,
-                    {
-                        "job_id": row["id"],
-                        "number": 1,
-                        "status": "dispatched",
-                        "free": False,
-                        "created_at": now,
-                    },
-                )
+                _insert_job(session, row)
         return row, True
     except IntegrityError:
         if idempotency_key is None:
             raise
     # The unique (owner, idempotency_key) said another request got there first; on
     # PostgreSQL the conflict waits for that transaction, so its row is committed by now.
+    existing = _existing(session, principal, idempotency_key, row["spec_hash"])
+    session.rollback()
+    if existing is None:  # the other request rolled back: take its place
+        return create_job(
+            session, principal, spec, idempotency_key, disk_bytes=disk_bytes, room=room
+        )
+    return existing, False
+
+
+def _insert_job(session: Session, row: dict[str, Any]) -> None:
+    # Parameters apart from the statement: the compiled INSERT is cached.
+    session.execute(_INSERT_JOB, row)
+    session.execute(
+        _INSERT_ATTEMPT,
+        {
+            "job_id": row["id"],
+            "number": 1,
+            "status": "dispatched",
+            "free": False,
+            "created_at": row["created_at"],
+        },
+    )
+
+
+def _existing(
+    session: Session | Connection, principal: Principal, key: str, spec_hash: str
+) -> dict[str, Any] | None:
+    """The job the owner's Idempotency-Key made, or None; Conflict if made of another spec."""
     existing = (
         session.execute(
-            select(JOBS).where(
-                JOBS.c.owner == principal.name, JOBS.c.idempotency_key == idempotency_key
-            )
+            select(JOBS).where(JOBS.c.owner == principal.name, JOBS.c.idempotency_key == key)
         )
         .mappings()
         .first()
     )
-    session.rollback()
-    if existing is None:  # the other request rolled back: take its place
-        return create_job(session, principal, spec, idempotency_key)
+    if existing is None:
+        return None
     if existing["spec_hash"] != spec_hash:
         raise Conflict(
-            f"Idempotency-Key {idempotency_key!r} was already used for job {existing['id']}"
+            f"Idempotency-Key {key!r} was already used for job {existing['id']}"
             " with a different spec"
         )
-    return dict(existing), False
+    return dict(existing)
 
 
 # Many new jobs and their first attempts in one statement (so one commit): group commit of
@@ -162,7 +197,7 @@ def create_job(
 _NEW_JOB_COLUMNS = [
     "id", "owner", "name", "queue", "labels", "nodes", "procs_per_node", "max_runtime_s",
     "retries", "priority", "train", "spec_hash", "idempotency_key", "status", "attempt",
-    "retries_used", "created_at",
+    "retries_used", "created_at", "disk_bytes",
 ]  # fmt: skip
 _SQL_CREATE_JOBS = (
     f"WITH new_jobs AS (INSERT INTO jobs ({', '.join(_NEW_JOB_COLUMNS)})"

@@ -247,21 +247,23 @@ async def submit_job(
         spec = await run_in_threadpool(resolve_dataset, services.reader, data_root, principal, spec)
     spec = apply_runtime_rules(spec, services.settings)  # 422, or the queue's default deadline
     if spec.train.model.family == "hf":  # its shape is read from its config.json
-        await run_in_threadpool(check_run_disk, spec, services.settings)
+        disk = await run_in_threadpool(check_run_disk, spec, services.settings)
     else:
-        check_run_disk(spec, services.settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
+        disk = check_run_disk(spec, services.settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
     own = await _owner_limits(services, principal)
     check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
     if dry_run:
         return await run_in_threadpool(_plan_answer, services, spec)
     if services.limits is not None and (own.submits_per_minute or own.max_queued):
         await run_in_threadpool(_check_limits, services, principal, idempotency_key, own)
-    row = crud.job_row(principal, spec, idempotency_key)
-    if services.submits is not None and await services.submits.add(row):
+    # Under TRAINQ_RUNS_MAX_OWNER_BYTES the job goes alone, checked under its owner's lock.
+    room = services.settings.runs_max_owner_bytes if disk else 0
+    row = crud.job_row(principal, spec, idempotency_key, disk)
+    if services.submits is not None and not room and await services.submits.add(row):
         created = True  # committed with the other submits of its batch (service.api.jobs.submit)
     else:
         row, created = await run_in_threadpool(
-            submit_one, services, principal, spec, idempotency_key
+            submit_one, services, principal, spec, idempotency_key, disk_bytes=disk, room=room
         )
     first = {
         "number": 1,

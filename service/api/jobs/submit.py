@@ -9,7 +9,8 @@ INSERT of all their rows, so one commit and one WAL flush for all; one pipelined
 their messages to the broker; one UPDATE of their ``sent_at``. Each request waits for its
 own batch, and is answered after the batch's commit and send. A row the batch does not take
 (an Idempotency-Key its owner used before, a value the database refuses) is submitted alone
-by ``submit_one``, as every submit is on SQLite, so it succeeds or fails alone.
+by ``submit_one``, as every submit is on SQLite, so it succeeds or fails alone; so is a
+submit under its owner's bound on the runs (``service.api.jobs.room``: it locks its owner).
 """
 
 from __future__ import annotations
@@ -53,16 +54,26 @@ class Store(Protocol):
 
 
 def submit_one(
-    services: Store, principal: Principal, spec: JobSpec, key: str | None
+    services: Store,
+    principal: Principal,
+    spec: JobSpec,
+    key: str | None,
+    *,
+    disk_bytes: int = 0,
+    room: int = 0,
 ) -> tuple[dict[str, Any], bool]:
-    """Commit one job (or find the one its Idempotency-Key made), send it; (row, created)."""
+    """Commit one job (or find the one its Idempotency-Key made), send it; (row, created).
+    ``disk_bytes``: its run folder's worst case; ``room``: what its owner's runs may hold
+    together (0: no bound), checked in the transaction that inserts it (service.api.jobs.room)."""
     postgres = services.areader is not None
-    if postgres:
+    if postgres and not room:
         with services.reader.connect() as conn:  # autocommit: one statement, one round trip
-            row, created = crud.create_job(conn, principal, spec, key)
+            row, created = crud.create_job(conn, principal, spec, key, disk_bytes=disk_bytes)
     else:
         with services.sessions() as session:
-            row, created = crud.create_job(session, principal, spec, key)
+            row, created = crud.create_job(
+                session, principal, spec, key, disk_bytes=disk_bytes, room=room
+            )
     # Committed first, sent second: a failed send leaves it for the reconciler.
     dispatcher = services.dispatcher
     if created and dispatcher.admits:

@@ -39,8 +39,10 @@ __all__ = [
     "OwnerLimitsCache",
     "apply_runtime_rules",
     "check_priority",
+    "check_run_disk",
     "clear_limits",
     "list_limits",
+    "mib",
     "running_caps",
     "set_limits",
 ]
@@ -144,18 +146,19 @@ def apply_runtime_rules(spec: JobSpec, settings: Settings) -> JobSpec:
     return spec.model_copy(update={"max_runtime_s": int(default)})
 
 
-def check_run_disk(spec: JobSpec, settings: Settings) -> None:
-    """InvalidInput when the spec's run folder, at its worst (trainer.plan's ``run_disk``),
-    would hold more than ``TRAINQ_RUNS_MAX_JOB_BYTES``. A model whose shape is unknown here
-    passes (the trainer's free-space check before each checkpoint still holds)."""
+def check_run_disk(spec: JobSpec, settings: Settings) -> int:
+    """The spec's run folder at its worst (trainer.plan's ``run_disk``), in bytes; 0 when the
+    model's shape is unknown here (the trainer's free-space check before each checkpoint
+    still holds). InvalidInput when it is over ``TRAINQ_RUNS_MAX_JOB_BYTES``. The job keeps
+    the figure (``jobs.disk_bytes``): its owner's runs count it (service.api.jobs.room)."""
     from trainer.plan import run_disk  # arithmetic only; hf models read their config.json
 
-    bound = settings.runs_max_job_bytes
-    if not bound:
-        return
     found = run_disk(spec.train, spec.nodes * spec.procs_per_node, settings.data_root)
-    if found is None or found["run_bytes"] <= bound:
-        return
+    if found is None:
+        return 0
+    bound = settings.runs_max_job_bytes
+    if not bound or found["run_bytes"] <= bound:
+        return int(found["run_bytes"])
     ck = spec.train.checkpoint
     per = found["checkpoint_bytes"] + (found["hf_bytes"] if ck.hf == "every" else 0)
     most = max(0, (bound - found["checkpoint_bytes"]) // per) if per else 0
@@ -163,13 +166,14 @@ def check_run_disk(spec: JobSpec, settings: Settings) -> None:
     hf = " (each with its Hugging Face folder, checkpoint.hf: every)" if ck.hf == "every" else ""
     raise InvalidInput.at(
         ["body", "train", "checkpoint", "keep"],
-        f"checkpoint.keep={ck.keep} checkpoints of about {_mib(per)}{hf} need about"
-        f" {_mib(found['run_bytes'])} at worst, over the {_mib(bound)} a run may hold"
+        f"checkpoint.keep={ck.keep} checkpoints of about {mib(per)}{hf} need about"
+        f" {mib(found['run_bytes'])} at worst, over the {mib(bound)} a run may hold"
         f" (TRAINQ_RUNS_MAX_JOB_BYTES={bound}); {hint}",
     )
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """Bytes as MiB, or GiB from one GiB, for messages."""
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
