@@ -14,11 +14,24 @@ Keys (``prefix`` defaults to ``trainq``); nothing a user typed is in them:
 - ``{prefix}:gen:cancel:{request id}``  set by the API when its client went away; the
   worker stops that request at its next token
 
+A request is of one ``kind``: ``complete`` (a prompt, as text or token ids, continued),
+``chat`` (``messages`` rendered with the model's chat template, then continued), ``tokenize``
+(``prompt`` text to ids) or ``detokenize`` (``prompt_ids`` to text).
+
 Reply events (JSON in field ``e``), in order: ``start`` (the worker's registry name, step,
-load time, whether the model was already loaded, prompt tokens), ``delta`` per decoding
-step when streaming, then
+load time, whether the model was already loaded, prompt tokens, the prompt's ids, how many
+requests decode together), ``delta`` per decoding step when streaming, then
 ``end`` (the choices, finish reasons, usage) or, at any point instead, ``error`` (an HTTP
 status, a one-line message and the field it is about, if any).
+
+A token's log-probability record (``logprobs`` of a choice, ``prompt_logprobs`` with
+``echo``) is ``{"id", "token", "bytes", "logprob", "offset", "top"}``: ``token`` the
+token's own text (``"bytes:\\xNN"`` escapes where its bytes are not UTF-8 alone, as OpenAI
+writes them), ``bytes`` its raw bytes, ``logprob`` the log-softmax of the model's raw logits
+(before temperature, penalties and biases) in float32, ``offset`` the character offset of
+the token in the choice's text (with ``echo``, in prompt text + text), ``top`` the
+``logprobs`` most likely tokens as ``{"id", "token", "bytes", "logprob"}``, most likely first.
+The first prompt token's record is ``null`` (nothing precedes it).
 """
 
 from __future__ import annotations
@@ -61,6 +74,13 @@ class Limits:
     temperature = 2.0
     top_k = 1_048_576
     seed = 2**63 - 1
+    logprobs = 20  # top alternatives per token, as OpenAI's chat API allows
+    penalty = 2.0  # presence/frequency penalties lie in [-penalty, penalty]
+    logit_bias = 300  # entries
+    bias = 100.0  # each bias lies in [-bias, bias]
+    messages = 256
+    message_chars = 256 * 1024
+    template_chars = 64 * 1024
 
 
 LIMITS = Limits()
@@ -97,9 +117,17 @@ class GenerateRequest(BaseModel):
     # A hash of the requesting owner (never the name): the worker serves owners in turn.
     owner: str = Field("", pattern=r"^[0-9a-f]{0,64}$")
     step: int | None = Field(None, ge=0)  # None: the newest complete checkpoint
+    kind: Literal["complete", "chat", "tokenize", "detokenize"] = "complete"
     prompt: str | None = Field(None, max_length=LIMITS.prompt_chars)
     prompt_ids: list[int] | None = Field(None, max_length=LIMITS.prompt_ids)
-    max_tokens: int = Field(16, ge=1, le=LIMITS.max_tokens)
+    # kind "chat": [{"role", "content"}] as the API validated them, rendered on the worker with
+    # the model's chat template (``chat_template`` overrides it; trainer.chat renders it).
+    messages: list[dict[str, str]] | None = Field(None, max_length=LIMITS.messages)
+    chat_template: str | None = Field(None, max_length=LIMITS.template_chars)
+    add_generation_prompt: bool = True
+    # kind "tokenize": add the tokenizer's special tokens (bos) as the model's own encode does
+    add_special_tokens: bool = True
+    max_tokens: int = Field(16, ge=0, le=LIMITS.max_tokens)  # 0 only with echo
     temperature: float = Field(1.0, ge=0, le=LIMITS.temperature)
     top_k: int = Field(0, ge=0, le=LIMITS.top_k)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -107,12 +135,28 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=LIMITS.stop_strings)
     n: int = Field(1, ge=1, le=LIMITS.n)
     stream: bool = False
+    # None: no log-probabilities; k >= 0: each token's own and its k most likely alternatives
+    logprobs: int | None = Field(None, ge=0, le=LIMITS.logprobs)
+    echo: bool = False  # the prompt's own log-probabilities (``prompt_logprobs`` in ``end``)
+    presence_penalty: float = Field(0.0, ge=-LIMITS.penalty, le=LIMITS.penalty)
+    frequency_penalty: float = Field(0.0, ge=-LIMITS.penalty, le=LIMITS.penalty)
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=LIMITS.logit_bias)
+    ignore_eos: bool = False  # vLLM's: go on past the tokenizer's end-of-sequence token
     deadline: float  # Unix time: past it the worker stops and answers 504
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.prompt_ids is None):
+        if self.kind == "chat":
+            if self.messages is None or self.prompt is not None or self.prompt_ids is not None:
+                raise ValueError("a chat request carries messages and no prompt")
+        elif (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("a request carries exactly one of prompt or prompt_ids")
+        if self.max_tokens == 0 and not self.echo and self.kind in ("complete", "chat"):
+            raise ValueError("max_tokens 0 asks for nothing without echo")
+        for token, bias in self.logit_bias.items():
+            if not 0 <= token < LIMITS.token_id or abs(bias) > LIMITS.bias:
+                raise ValueError(f"logit_bias {token}: {bias} is out of bounds")
         return self
 
     def to_entry(self) -> dict[str, str]:
