@@ -211,7 +211,9 @@ def test_chat_renders_the_template_and_streams(oai: Oai) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == choice.message.content
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [choice.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
 
