@@ -157,7 +157,8 @@ async def complete(
         target, requests = await run_in_threadpool(
             _requests, services, principal, job_id, step, body
         )
-        fanout = Fanout(services, target, requests, slots)
+        locs = [loc for loc, _, _ in body.prompts()]
+        fanout = Fanout(services, target, requests, slots, locs)
         if not body.stream:
             return json_response(_completion(requests[0].id, model, body, await fanout.collect()))
         events = fanout.events()

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from service.api.core.deps import Services
+from service.api.core.errors import InvalidInput
 from service.api.generation.service import Relay, Target
 from worker.genmessage import GenerateRequest
 
@@ -26,10 +27,18 @@ _DONE = object()
 
 class Fanout:
     def __init__(
-        self, services: Services, target: Target, requests: list[GenerateRequest], slots: int
+        self,
+        services: Services,
+        target: Target,
+        requests: list[GenerateRequest],
+        slots: int,
+        prompt_locs: list[list[str | int]] | None = None,
     ) -> None:
         self.services, self.target, self.requests = services, target, requests
         self.slots = max(1, min(slots, len(requests)))
+        # each request's prompt as the body names it (``prompt[2]``): a worker's 422 about
+        # "the prompt" names the one it is about
+        self.prompt_locs = prompt_locs
 
     async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """``(request position, event)`` until every request has ended."""
@@ -44,7 +53,7 @@ class Fanout:
                     async for event in relay.events():
                         await queue.put((k, event))
                 except Exception as exc:  # the call's answer: raised by the reader
-                    await queue.put((k, exc))
+                    await queue.put((k, self._located(k, exc)))
                 finally:
                     await relay.close()
                     await queue.put((k, _DONE))
@@ -64,6 +73,14 @@ class Fanout:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _located(self, k: int, exc: Exception) -> Exception:
+        if not isinstance(exc, InvalidInput) or not self.prompt_locs:
+            return exc
+        for error in exc.errors:
+            if list(error.get("loc") or []) == ["body", "prompt"]:
+                error["loc"] = self.prompt_locs[k]
+        return exc
 
     async def collect(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """Each request's ``(start, end)`` events, in the requests' order."""
