@@ -596,14 +596,19 @@ def _check_ids(ids: list[int], vocab: int, loc: list[str | int]) -> None:
 
 
 def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
-    """``req.messages`` rendered with its template (the request's, the tokenizer's, or
-    trainer.chat's default)."""
-    try:
-        from trainer import chat  # type: ignore[attr-defined]
-    except ImportError:
-        raise GenerateError(422, "chat needs trainer.chat", ["body", "messages"]) from None
+    """``req.messages`` rendered with a chat template (``trainer.chat``): the request's
+    ``chat_template``, else the tokenizer's own, else ``trainer.chat.DEFAULT_TEMPLATE``
+    (ChatML). A template that fails is the request's 422, naming ``chat_template`` when the
+    request sent it, else ``messages`` (the tokenizer's template refused them)."""
+    from trainer.chat import DEFAULT_TEMPLATE, ChatTemplateError, render
+
     tok = loaded.tokenizer
-    template = req.chat_template or getattr(tok, "chat_template", None) or chat.default_template
-    bos, eos = getattr(tok, "bos_token", None), getattr(tok, "eos_token", None)
-    text: str = chat.render(template, req.messages or [], req.add_generation_prompt, bos, eos)
-    return text
+    own = getattr(tok, "chat_template", None)
+    template = req.chat_template or own or DEFAULT_TEMPLATE
+    bos = getattr(tok, "bos_token", None) or ""
+    eos = getattr(tok, "eos_token", None) or ""
+    try:
+        return render(template, list(req.messages or []), req.add_generation_prompt, bos, eos)
+    except ChatTemplateError as exc:
+        field = "chat_template" if req.chat_template else "messages"
+        raise GenerateError(422, str(exc), ["body", field]) from None

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.core.auth import Principal
 from service.api.core.deps import PrincipalDep, Services, ServicesDep
+from service.api.core.errors import InvalidInput
 from service.api.generation.edge import body_doc, json_response, model_of, read_body
 from service.api.generation.fanout import Fanout
 from service.api.generation.protocol import MODEL_PATTERN, DetokenizeRequest, TokenizeRequest
@@ -71,8 +72,14 @@ async def _detokenize(
     request: Request, services: Services, principal: Principal, path: str | None
 ) -> Response:
     body = await read_body(request, DetokenizeRequest)
-    _, end = await _ask(services, principal, body.model, path, kind="detokenize",
-                        prompt_ids=list(body.tokens))  # fmt: skip
+    try:
+        _, end = await _ask(services, principal, body.model, path, kind="detokenize",
+                            prompt_ids=list(body.tokens))  # fmt: skip
+    except InvalidInput as exc:  # the worker's words for the field the body calls "tokens"
+        for error in exc.errors:
+            if list(error.get("loc") or [])[:2] == ["body", "prompt_ids"]:
+                error["loc"] = ["body", "tokens", *error["loc"][2:]]
+        raise
     return json_response({"prompt": end.get("prompt", "")})
 
 
