@@ -23,7 +23,7 @@ from tests.e2e.system import Api, System, create_token, wait_for
 pytestmark = pytest.mark.timeout(180)
 
 QUEUE = "oai"
-SEQ_LEN = 48
+SEQ_LEN = 128  # room for a chat prompt in ChatML, byte by byte
 TRAIN: dict[str, Any] = {
     "steps": 20,
     "seed": 5,
@@ -86,7 +86,10 @@ def oai(fast_system: System) -> Iterator[Oai]:
             return status == "succeeded"
 
         wait_for(done, 120, "the tiny training run", every=0.3)
-    yield Oai(fast_system, api, other, job_id)
+    oai = Oai(fast_system, api, other, job_id)
+    yield oai
+    oai.client.close()
+    oai.other_client.close()
 
 
 def test_models_list_and_retrieve(oai: Oai) -> None:
@@ -229,6 +232,19 @@ def test_tokenize_and_detokenize_round_trip(oai: Oai) -> None:
     assert back.status_code == 200 and back.json() == {"prompt": text}
     same = oai.post(f"/models/{oai.job_id}/tokenize", {"prompt": text, "add_special_tokens": False})
     assert same.json()["tokens"] == body["tokens"]
+
+
+def test_lm_evals_remote_tokenizer_uses_a_models_base_url(oai: Oai) -> None:
+    from lm_eval.utils import RemoteTokenizer
+
+    base = f"{oai.api.url}/models/{oai.job_id}/v1/completions"  # what lm-eval's base_url is
+    remote = RemoteTokenizer(base, auth_token=str(oai.api.token), max_retries=1)
+    text = "Once upon a time ✓"
+    assert remote.encode(text) == list(text.encode())
+    assert remote.batch_decode([list(text.encode()), [72, 105]]) == [text, "Hi"]
+    info = remote.tokenizer_info
+    assert info["model_max_length"] == SEQ_LEN
+    assert info["eos_token"] is None and remote.eos_token_id is None, "bytes have no EOS"
 
 
 def test_bad_parameters_carry_param_and_code(oai: Oai) -> None:
