@@ -12,7 +12,7 @@ the client no longer waits for).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from service.api.core.deps import Services
@@ -40,7 +40,7 @@ class Fanout:
         # "the prompt" names the one it is about
         self.prompt_locs = prompt_locs
 
-    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def events(self) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
         """``(request position, event)`` until every request has ended."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         gate = asyncio.Semaphore(self.slots)

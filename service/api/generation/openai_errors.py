@@ -35,6 +35,7 @@ status      type                     code
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -147,12 +148,13 @@ def trainq_error_body(exc: TrainqError) -> dict[str, Any]:
     return _from_detail(exc.status_code, detail, exc)
 
 
-Handler = Callable[[Request, Any], Awaitable[Response]]
+Handler = Callable[[Request, Any], Response | Awaitable[Response]]
 
 
 def _wrap(handler: Handler) -> Handler:
     async def handle(request: Request, exc: Any) -> Response:
-        response = await handler(request, exc)
+        answer = handler(request, exc)
+        response = await answer if inspect.isawaitable(answer) else answer
         if not is_openai_path(request.url.path):
             return response
         try:
