@@ -86,3 +86,17 @@ def test_concurrent_requests_are_decoded_together_and_each_gets_its_own_answer(
         assert end["prompt_logprobs"][0] is None
         assert len(end["prompt_logprobs"]) == len(start["prompt_ids"])
     assert max(batches) > 1, batches
+
+    # tokenize and detokenize, answered by the same worker from the loaded model's tokenizer
+    text = "héllo 😀"
+    tokenize = GenerateRequest(id=uuid.uuid4().hex, job_id=job_id, kind="tokenize", prompt=text,
+                               deadline=time.time() + 60)  # fmt: skip
+    wire.r.xadd(stream, tokenize.to_entry())
+    end = answers(wire, [tokenize])[tokenize.id][-1]
+    assert end["tokens"] == list(text.encode()) and end["count"] == len(text.encode())
+    assert end["max_model_len"] == 32 and end["token_strs"][0] == "h"
+    assert end["token_strs"][1] == "bytes:\\xc3"
+    back = GenerateRequest(id=uuid.uuid4().hex, job_id=job_id, kind="detokenize",
+                           prompt_ids=end["tokens"], deadline=time.time() + 60)  # fmt: skip
+    wire.r.xadd(stream, back.to_entry())
+    assert answers(wire, [back])[back.id][-1] == {"type": "end", "prompt": text}
