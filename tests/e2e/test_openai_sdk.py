@@ -149,6 +149,26 @@ def test_echo_with_max_tokens_0_scores_a_list_of_prompts(oai: Oai) -> None:
         full = oai.log_softmax(ids)
         for i in range(1, len(ids)):
             assert abs(lp.token_logprobs[i] - float(full[i - 1, ids[i]])) < TOL, i
+    # Streamed with echo and new tokens: each choice whole (prompt, then completion), once.
+    plain = oai.client.completions.create(
+        model=oai.job_id, prompt=PROMPTS, max_tokens=3, echo=True, logprobs=0, temperature=0
+    )
+    stream = oai.client.completions.create(
+        model=oai.job_id, prompt=PROMPTS, max_tokens=3, echo=True, logprobs=0, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    logprobs: dict[int, list[Any]] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None and c.logprobs.token_logprobs:
+                logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert all(texts[i].startswith(p) for i, p in enumerate(PROMPTS))
+    for c in plain.choices:
+        assert c.logprobs and c.logprobs.token_logprobs == logprobs[c.index]
+        assert len(logprobs[c.index]) == len(PROMPTS[c.index].encode()) + 3
 
 
 def test_a_list_of_prompts_is_one_choice_per_prompt_and_n_in_order(oai: Oai) -> None:
