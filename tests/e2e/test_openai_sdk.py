@@ -281,3 +281,37 @@ def test_bad_parameters_carry_param_and_code(oai: Oai) -> None:
             extra_body={"chat_template": "{{ raise_exception('no users here') }}"},
         )  # fmt: skip
     assert "no users here" in err.value.message and err.value.param == "chat_template"
+
+
+def test_lm_evals_local_completions_scores_as_the_checkpoint(
+    oai: Oai, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-eval's own client (``local-completions``, remote tokenizer, batches of prompts):
+    each continuation's log-likelihood is the checkpoint's, and greedy is the argmax."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    monkeypatch.setenv("OPENAI_API_KEY", str(oai.api.token))  # what its completions send
+    lm = LocalCompletionsAPI(
+        base_url=f"{oai.api.url}/models/{oai.job_id}/v1/completions",
+        model=oai.job_id,
+        tokenizer_backend="remote",
+        auth_token=str(oai.api.token),
+        batch_size=3,
+        max_retries=1,
+        max_length=SEQ_LEN,
+    )
+    pairs = [("The king said", " yes"), ("The king said", " no"), ("Once upon", " a time"),
+             ("A", "B")]  # fmt: skip
+    requests = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
+        for i, pair in enumerate(pairs)
+    ]
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    for (context, continuation), (loglik, greedy) in zip(pairs, got, strict=True):
+        ctx, cont = list(context.encode()), list(continuation.encode())
+        full = oai.log_softmax(ctx + cont)
+        rows = [full[len(ctx) + i - 1] for i in range(len(cont))]
+        expected = sum(float(row[t]) for row, t in zip(rows, cont, strict=True))
+        assert abs(loglik - expected) < TOL * len(cont), (context, continuation)
+        assert greedy == all(int(row.argmax()) == t for row, t in zip(rows, cont, strict=True))
