@@ -640,7 +640,7 @@ class Request:
     check: Callable[[int], None] | None = None
     result: Completion | None = None
     error: BaseException | None = None
-    batch: int = 0  # requests decoding together when this one joined
+    batch: int = 0  # requests decoding together: when it joined, then the most while it ran
 
 
 class _Live:
@@ -671,11 +671,11 @@ class _Live:
              torch.tensor([b for _, b in bias], device=device))
             if bias else None
         )  # fmt: skip
-        self.prompt_text = tok.decode(req.prompt) if p.echo else ""
-        self.shift = len(self.prompt_text)  # offsets count from the prompt's text with echo
+        prompt_text = tok.decode(req.prompt)
+        self.shift = len(prompt_text) if p.echo else 0  # with echo, offsets in prompt + text
         req.result = Completion(self.choices, len(req.prompt),
                                 seed if self.gen is not None else None,
-                                prompt_text=tok.decode(req.prompt))  # fmt: skip
+                                prompt_text=prompt_text)  # fmt: skip
 
     def adjusted(self, raw: torch.Tensor) -> torch.Tensor:
         """Logits to sample from: raw, less the penalties, plus the biases (float32)."""
@@ -741,7 +741,10 @@ class Engine:
             self.check(req)
         logits, pending = self._prefill(reqs)  # [rows, T, vocab]
         width, vocab = logits.shape[1], logits.shape[-1]
-        new, keep, ended, row = [], [], [], 0
+        new: list[_Live] = []
+        keep: list[int] = []
+        ended: list[Request] = []
+        row = 0
         for req in reqs:
             live = _Live(req, self.tok, vocab, self.limit, self.device)
             if req.params.echo:
@@ -835,7 +838,10 @@ class Engine:
         """One token for every live request; those that ended are returned (their
         ``result`` complete, or ``error`` set)."""
         assert self.logits is not None
-        tokens, ended, keep, row = [], [], [], 0
+        tokens: list[torch.Tensor] = []
+        ended: list[_Live] = []
+        keep: list[int] = []
+        row = 0
         for live in self.live:
             raw = self.logits[row : row + live.n]
             try:
