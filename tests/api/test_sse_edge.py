@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from service.api.app import StreamRefusal, create_app
 from service.api.core.deps import Services
 from service.api.streams.router import EVENTS_PATH, LOGS_PATH, stream_route
 from tests.api.support import Api, Uvicorn, WorkerSim
+from tests.e2e.system import wait_for
 
 CAP = 2
 # Headers that differ between any two answers, whoever gives them.
@@ -49,14 +49,6 @@ def _edge_call(services: Services, path: str, query: bytes, authorization: str |
 
 def _bearer(api: Api) -> str:
     return api.headers()["Authorization"]
-
-
-def _wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture()
@@ -154,14 +146,14 @@ def test_a_closed_streams_slot_admits_a_new_one(api: Api, capped: Any) -> None:
                 held.enter_context(client.stream("GET", url, headers=api.headers()))
             assert client.get(url, headers=api.headers()).status_code == 429
         # The clients hung up: each stream ends on the server and gives its slot back.
-        _wait_for(lambda: api.user not in services.hub.open, "the streams to be counted out")
+        wait_for(lambda: api.user not in services.hub.open, 10, "the streams counted out", 0.02)
         assert services.hub.total == 0
         answered, sent = _edge_call(services, f"/v1/jobs/{job_id}/events", b"", _bearer(api))
         assert answered is None and sent == []
         with client.stream("GET", url, headers=api.headers()) as resp:
             assert resp.status_code == 200
             assert services.hub.open[api.user] == 1
-    _wait_for(lambda: services.hub.open == {}, "the last stream to be counted out")
+    wait_for(lambda: services.hub.open == {}, 10, "the last stream counted out", 0.02)
 
 
 def test_healthz_is_answered_at_the_edge_as_the_route_documents(api: Api, capped: Any) -> None:
