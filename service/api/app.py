@@ -166,13 +166,10 @@ async def _edge_principal(services: Services, scope: Scope) -> Principal | None:
     header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
     authorization = header.decode("latin-1") if header is not None else None
     try:
-        try:
-            return services.tokens.resolve_cached(authorization)
-        except LookupError:
-            if services.areader is None:
-                return None
+        if services.areader is not None:
             return await services.tokens.aresolve(authorization, services.areader)
-    except Exception:  # Unauthorized, an outage: the routed path answers it properly
+        return services.tokens.resolve_cached(authorization)  # LookupError on a miss
+    except Exception:  # Unauthorized, a miss on SQLite, an outage: the routed path answers
         return None
 
 
