@@ -59,7 +59,9 @@ class _Stream:
 def _formats(item: dict[str, Any]) -> str:
     """``native,hf``, with a failed export as ``hf:failed`` (its reason: --json)."""
     shown = [str(f) for f in item.get("formats") or []]
-    exports = item.get("exports") if isinstance(item.get("exports"), dict) else {}
+    exports = item.get("exports")
+    if not isinstance(exports, dict):
+        exports = {}
     shown += [
         f"{name}:failed"
         for name, e in exports.items()

@@ -53,6 +53,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[str, 
     return root / "run"
 
 
+@pytest.fixture(scope="module")
+def lora_trained(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[str, str]) -> Path:
+    """A LoRA run of the debug GPT (2 steps): its last checkpoint has hf/ and peft/."""
+    root = tmp_path_factory.mktemp("lora-run")
+    runs.write_corpus(root / "data")
+    cfg = runs.config(steps=2, eval={"every": 0}, checkpoint={"every": 0, "keep": 1, "hf": "final"})
+    cfg["lora"] = {"rank": 2, "alpha": 4.0}
+    code, out = runs.run(cfg, root / "run", root / "data", subprocess_env, nproc=1)
+    assert code == 0 and "peft: wrote" in out, out
+    return root / "run"
+
+
 def _job_with_run(api: Api, sim: Callable[..., WorkerSim], trained: Path) -> str:
     """A submitted job whose run folder is ``trained``, its metrics ingested."""
     job_id = str(api.submit()["id"])
@@ -416,3 +428,51 @@ def test_cli_lists_and_downloads_into_a_folder(
         assert not [p for p in tmp_path.iterdir() if ".part-" in p.name]
         bad = trainq("download", job_id, "--step", "x", "-o", str(tmp_path / "y"))
         assert bad.exit_code == 2 and "--step" in bad.stderr
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_cli_downloads_a_lora_runs_peft_adapter_that_peft_loads(
+    api: Api, sim: Callable[..., WorkerSim], lora_trained: Path, tmp_path: Path
+) -> None:
+    """`trainq download --format peft` of a LoRA run: PeftModel on the base (the run's base
+    weights, `trainer.export --format hf --base` of the native download) computes what the
+    hf download (merged) computes."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.export import main as export_main
+
+    job_id = _job_with_run(api, sim, lora_trained)
+    listed = api.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=api.headers()).json()
+    last = listed["items"][-1]
+    assert last["formats"] == ["native", "hf", "peft"]
+    assert last["exports"]["peft"]["status"] == "ready"
+    native = {k for k in _files(lora_trained / "checkpoints" / "step-2") if "/" not in k}
+    assert last["size_bytes"] == sum(
+        (lora_trained / "checkpoints" / "step-2" / k).stat().st_size for k in native
+    )
+    with Uvicorn(api.app) as server:
+        env = {"TRAINQ_URL": server.url, "TRAINQ_TOKEN": api.token}
+
+        def trainq(*args: str) -> Any:
+            return CliRunner().invoke(cli.app, list(args), env=env, catch_exceptions=False)
+
+        for fmt in ("peft", "hf", "native"):
+            got = trainq("download", job_id, "--format", fmt, "-o", str(tmp_path / fmt))
+            assert got.exit_code == 0, got.stderr
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    argv = ["--checkpoint", str(tmp_path / "native"), "--format", "hf", "--base"]
+    assert export_main([*argv, "--out", str(tmp_path / "base")]) == 0
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (adapted(input_ids=tokens).logits - merged(input_ids=tokens).logits).abs().max()
+    assert diff.item() <= 1e-4
