@@ -351,18 +351,41 @@ def _write_tokenizer(folder: Path, tok: _Tok | None, seq_len: int) -> None:
     _write_json(folder / TOKENIZER_CONFIG, settings)
 
 
+def _set_ids(fields: dict[str, Any], tok: _Tok) -> None:
+    for key, value in _token_ids(tok.specials).items():
+        if value is None:
+            fields.pop(key, None)
+        else:
+            fields[key] = value
+
+
+def _own_config_ids(folder: Path, tok: _Tok | None) -> None:
+    """Family hf: config.json's token ids are the run's tokenizer's, not the original
+    model's (whose ids may not even be in this vocabulary)."""
+    if tok is None:
+        return
+    path = folder / CONFIG_FILE
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    _set_ids(fields, tok)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        fields.setdefault(key, None)
+    _write_json(path, fields)
+
+
 def _write_generation_config(folder: Path, tok: _Tok | None) -> None:
-    """generation_config.json with the tokenizer's bos/eos/pad ids, over what is there (the
-    model's own, written by save_pretrained); removed when nothing declares an eos."""
+    """generation_config.json with the tokenizer's bos/eos/pad ids (those it lacks removed:
+    a byte-level run has none), over what is there (family hf: what its save_pretrained
+    wrote, kept as it is when the tokenizer is not known); removed when nothing is left."""
     path = folder / GENERATION_CONFIG
-    ids = _token_ids(tok.specials) if tok is not None else {}
     try:
         current = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         current = {}
     current = current if isinstance(current, dict) else {}
-    current.update({k: v for k, v in ids.items() if v is not None})
-    if current.get("eos_token_id") is None:
+    if tok is not None:
+        _set_ids(current, tok)
+        current.pop("_from_model_config", None)  # else generate re-derives it from config.json
+    if not set(current) - {"transformers_version", "_from_model_config"}:
         path.unlink(missing_ok=True)
         return
     _write_json(path, current)
@@ -477,6 +500,7 @@ def write_hf(model: Any, folder: Path, *, atol: float = ATOL, tokenizer: Tokeniz
     _clear(folder)
     if config is None:
         model.inner.save_pretrained(folder)
+        _own_config_ids(folder, tok)
     else:
         _write_text(folder / CONFIG_FILE, config.to_json_string())
         save_file(to_hf_state_dict(model), str(folder / WEIGHTS), metadata={"format": "pt"})

@@ -231,7 +231,11 @@ def test_hf_export_declares_eos_so_generate_stops_there(
     dataset = Tokenizer.from_file(str(roots["data"] / "bpe" / "tokenizer.json"))
     assert eot == [dataset.token_to_id(EOT)]
     gen = GenerationConfig.from_pretrained(folder)
-    assert gen.eos_token_id == eot[0] and gen.pad_token_id is not None
+    assert gen.eos_token_id == eot[0] and gen.pad_token_id == dataset.token_to_id("<pad>")
+    config = json.loads((folder / "config.json").read_text())  # not Qwen2's own 151643
+    assert config["eos_token_id"] == eot[0] and config["bos_token_id"] is None
+    for family in ("gpt", "llama"):  # bytes: nothing to stop at, nothing claimed
+        assert not (trained[family] / "hf" / "generation_config.json").exists()
     assert eos_ids(roots["data"] / "tiny") == []  # bytes: no eos
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     with torch.no_grad():  # the eos made the likeliest token: generation stops on it
