@@ -251,3 +251,25 @@ def test_a_run_without_adapters_has_no_peft_export(tmp_path: Path, ddp_run: Path
     out = tmp_path / "peft"
     code = export_main(["--run-dir", str(ddp_run), "--out", str(out), "--format", "peft"])
     assert code == 1 and not out.exists()
+
+
+def test_export_cli_writes_what_the_trainer_published(
+    trained: dict[str, Path], roots: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    """`python -m trainer.export --format peft` of the hf run: the same adapter and config
+    as the run's own step-N/peft, checked with PEFT on load-back."""
+    from safetensors.torch import load_file
+
+    from trainer.export import main as export_main
+
+    step = trained["hf"]
+    out = tmp_path / "adapter"
+    argv = ["--run-dir", str(step.parent.parent), "--out", str(out), "--format", "peft"]
+    assert export_main([*argv, "--data-root", str(roots["data"])]) == 0
+    assert "(peft); max |logit diff|" in capsys.readouterr().out
+    assert runs.wrong_modes(tmp_path) == {}
+    for name in ("adapter_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_text() == (step / "peft" / name).read_text(), name
+    ours, published = (load_file(p / "adapter_model.safetensors") for p in (out, step / "peft"))
+    assert ours.keys() == published.keys()
+    assert all(torch.equal(ours[k], published[k]) for k in ours)
