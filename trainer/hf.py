@@ -348,6 +348,13 @@ def _write_tokenizer(folder: Path, tok: _Tok | None, seq_len: int) -> None:
         "clean_up_tokenization_spaces": False,
         **{f"{role}_token": s.content for role, s in tok.specials.items()},
     }
+    if tok.byte:
+        # Byte-level data has no end-of-text token. Tools that need one special token (lm-eval's
+        # hf backend takes bos or eos as its loglikelihood prefix, and asserts without one)
+        # get NUL, byte 0 (id 0, written as the vocabulary spells it), which text never holds;
+        # config.json and generation_config.json declare no eos, so generate does not stop at
+        # it, as trainq's own generation does not.
+        settings["eos_token"] = _bytes_to_unicode()[0]
     _write_json(folder / TOKENIZER_CONFIG, settings)
 
 
