@@ -713,6 +713,7 @@ class Engine:
         self.mask: torch.Tensor | None = None  # hf: [rows, columns], 1 where a row has a token
         self.last_pos: torch.Tensor | None = None  # hf: each row's newest position
         self.padded = False  # hf: the mask is needed
+        self._args: set[str] | None = None  # hf: the names its forward takes
 
     @property
     def can_join(self) -> bool:
@@ -791,7 +792,10 @@ class Engine:
             positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
             self.last_pos = positions[:, -1]
             self.cache, self.padded = DynamicCache(), bool(pad.any())
-            return self._hf_forward(x, positions), None
+            # Only the last position's logits unless a prompt's own are asked for: a large
+            # vocabulary times every prompt position is gigabytes.
+            last = not any(r.params.echo for r in reqs)
+            return self._hf_forward(x, positions, last), None
         cfg = self.model.cfg
         param = next(self.model.parameters())
         pending = KVCache(
@@ -801,10 +805,19 @@ class Engine:
         pending.set_pad(pad)
         return self.model.forward_cached(x, pending), pending
 
-    def _hf_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _hf_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, last: bool = False
+    ) -> torch.Tensor:
         inner = self.model.inner
-        name = "cache" if "cache" in _forward_args(inner) else "past_key_values"
-        extra = {"attention_mask": self.mask, "position_ids": positions} if self.padded else {}
+        if self._args is None:
+            self._args = _forward_args(inner)
+        args = self._args
+        name = "cache" if "cache" in args else "past_key_values"
+        extra: dict[str, Any] = (
+            {"attention_mask": self.mask, "position_ids": positions} if self.padded else {}
+        )
+        if last and "logits_to_keep" in args:
+            extra["logits_to_keep"] = 1
         out = inner(input_ids=ids, use_cache=True, **{name: self.cache}, **extra)
         self.cache = getattr(out, name)
         logits: torch.Tensor = out.logits

@@ -150,3 +150,40 @@ def test_eos_ends_a_choice_unless_ignored() -> None:
     # ignore_eos: the worker passes no eos ids
     again = complete(model, tok, PROMPTS[0], Sampling(max_tokens=20, temperature=0)).choices[0]
     assert again.token_ids == plain.token_ids and again.finish_reason == "length"
+
+
+def test_an_hf_tokenizer_gives_its_special_tokens_template_and_token_bytes(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from trainer.generate import HFTokenizer, load_tokenizer
+
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_end|>", special=True),
+                            AddedToken("<|endoftext|>", special=True)])  # fmt: skip
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = load_tokenizer(tmp_path)
+    assert isinstance(hf, HFTokenizer)
+    end = hf.token_id("<|endoftext|>")
+    # none declared: a well-known end-of-text special token of tokenizer.json
+    assert hf.eos_ids == (end,) and hf.chat_template is None and hf.eos_token is None
+    ids = hf.encode("a€")
+    assert [hf.piece(i) for i in ids] == [b"a", b"\xe2", b"\x82", b"\xac"]
+    assert hf.token_str(ids[0]) == "a" and token_text(hf.piece(ids[1])) == "bytes:\\xe2"
+    assert hf.piece(end) == b"<|endoftext|>"
+
+    template = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "<|im_end|>"}, "bos_token": None, "chat_template": template,
+    }))  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [end]}))
+    hf = load_tokenizer(tmp_path)
+    assert set(hf.eos_ids) == {end, hf.token_id("<|im_end|>")}
+    assert hf.eos_token == "<|im_end|>" and hf.bos_token is None
+    assert hf.chat_template == template
