@@ -318,3 +318,29 @@ def test_lm_evals_local_completions_scores_as_the_checkpoint(
         expected = sum(float(row[t]) for row, t in zip(rows, cont, strict=True))
         assert abs(loglik - expected) < TOL * len(cont), (context, continuation)
         assert greedy == all(int(row.argmax()) == t for row, t in zip(rows, cont, strict=True))
+
+
+def test_a_list_longer_than_the_owners_cap_runs_within_it(oai: Oai) -> None:
+    """TRAINQ_GENERATE_MAX_PER_OWNER 1: a list of three prompts holds one slot and sends
+    its requests one at a time, all answered, each as it is alone."""
+    oai.system.env["TRAINQ_GENERATE_MAX_PER_OWNER"] = "1"
+    try:
+        narrow = oai.system.start_api(auth=True)
+    finally:
+        del oai.system.env["TRAINQ_GENERATE_MAX_PER_OWNER"]
+    client = openai.OpenAI(base_url=f"{narrow.url}/v1", api_key=str(oai.api.token),
+                           max_retries=0, timeout=60)  # fmt: skip
+    try:
+        prompts = [*PROMPTS, "A"]
+        r = client.completions.create(model=oai.job_id, prompt=prompts, max_tokens=4,
+                                      temperature=0, logprobs=0)  # fmt: skip
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert r.usage and r.usage.completion_tokens == 12
+        singles = [
+            oai.client.completions.create(model=oai.job_id, prompt=p, max_tokens=4, temperature=0)
+            for p in prompts
+        ]
+        assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    finally:
+        client.close()
+        narrow.proc.stop()
