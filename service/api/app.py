@@ -45,6 +45,7 @@ from service.api.core.errors import (
 from service.api.core.settings import Settings
 from service.api.datasets import router as dataset_routes
 from service.api.datasets.work import DatasetWork
+from service.api.generation import openai_errors
 from service.api.generation import router as generate
 from service.api.generation.inflight import InFlight
 from service.api.jobs import router as jobs
@@ -414,6 +415,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     registry, observe = telemetry.build_registry(services)
     app.state.registry = registry
     _install_handlers(app)
+    openai_errors.install(app)  # OpenAI's error shape on its routes (after the handlers)
     app.include_router(jobs.router)
     app.include_router(streams.router)
     app.include_router(workers.router)
