@@ -106,7 +106,7 @@ class KVCache:
         self.pad = pad if bool(pad.any()) else None
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (the others' requests ended)."""
+        """Keep ``rows`` (the others' requests ended; an index may repeat: rows copied)."""
         self.k, self.v = self.k[:, rows], self.v[:, rows]
         pad = self.pad[rows] if self.pad is not None else None
         self.set_pad(pad if pad is not None else torch.zeros_like(rows))
@@ -736,8 +736,10 @@ class _HFRows:
         return bool(layers) and all(type(x).__name__ == "DynamicLayer" for x in layers)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows``; leading columns no row uses are dropped."""
-        if rows.numel() != self.batch:
+        """Keep ``rows`` (an index may repeat: rows copied); leading columns no row uses
+        are dropped."""
+        same = torch.arange(self.batch, device=rows.device)
+        if rows.numel() != self.batch or not bool((rows == same).all()):
             self.cache.batch_select_indices(rows)
             self.mask, self.positions = self.mask[rows], self.positions[rows]
         used = self.mask.any(dim=0)
@@ -815,13 +817,12 @@ class Engine:
             raise RuntimeError("this model's batch takes requests only when it is empty")
         for req in reqs:
             self.check(req)
-        logits, pending = self._prefill(reqs)  # [rows, T, vocab]
+        logits, pending = self._prefill(reqs)  # [requests, T, vocab]: one row each
         width, vocab = logits.shape[1], logits.shape[-1]
         new: list[_Live] = []
-        keep: list[int] = []
+        keep: list[int] = []  # the prefill row of each batch row: a request's n choices
         ended: list[Request] = []
-        row = 0
-        for req in reqs:
+        for row, req in enumerate(reqs):
             live = _Live(req, self.tok, vocab, self.limit, self.device)
             if req.params.echo:
                 self._echo(live, logits[row, width - len(req.prompt) : width - 1])
@@ -830,8 +831,7 @@ class Engine:
                 ended.append(req)
             else:
                 new.append(live)
-                keep.extend(range(row, row + live.n))
-            row += live.n
+                keep.extend([row] * live.n)
         if not keep:
             return ended
         rows = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -839,8 +839,7 @@ class Engine:
         self.logits = last if self.logits is None else torch.cat([self.logits, last])
         had = bool(self.live)
         self.live.extend(new)
-        if len(keep) < pending.batch:
-            pending.select(rows)
+        pending.select(rows)  # the prompt's keys and values, copied to each of its n rows
         if self.hf:
             if had:
                 self.cache.join(pending)
@@ -858,9 +857,8 @@ class Engine:
         width = max(len(r.prompt) for r in reqs)
         ids, pads = [], []
         for r in reqs:
-            for _ in range(r.params.n):
-                pads.append(width - len(r.prompt))
-                ids.append([0] * pads[-1] + list(r.prompt))
+            pads.append(width - len(r.prompt))
+            ids.append([0] * pads[-1] + list(r.prompt))
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         pad = torch.tensor(pads, dtype=torch.long, device=self.device)
         if self.hf:

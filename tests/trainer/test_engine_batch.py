@@ -100,6 +100,21 @@ def test_requests_decoded_together_equal_each_alone(family: str, tmp_path: Path)
             assert_same(a, r.result)
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_seeded_sample_in_a_batch_is_the_one_drawn_alone(family: str, tmp_path: Path) -> None:
+    model = model_of(family, tmp_path)
+    tok = ByteTokenizer()
+    sampled = Sampling(max_tokens=12, temperature=0.8, top_p=0.95, seed=3, n=3)
+    alone = complete(model, tok, PROMPTS[2], sampled)
+    assert len({tuple(c.token_ids) for c in alone.choices}) > 1, "n draws"
+    reqs = [Request(PROMPTS[0], params(0)), Request(PROMPTS[2], sampled)]
+    engine = Engine(model, tok)
+    engine.add(reqs)
+    engine.run()
+    assert reqs[1].result is not None and reqs[1].result.seed == 3
+    assert [c.token_ids for c in reqs[1].result.choices] == [c.token_ids for c in alone.choices]
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama", "hf"])
 def test_echo_gives_the_full_forwards_log_softmax(family: str, tmp_path: Path) -> None:
     model = model_of(family, tmp_path)
