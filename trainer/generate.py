@@ -106,7 +106,7 @@ class KVCache:
         self.pad = pad if bool(pad.any()) else None
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (the others' requests ended)."""
+        """Keep ``rows`` (the others' requests ended; an index may repeat: rows copied)."""
         self.k, self.v = self.k[:, rows], self.v[:, rows]
         pad = self.pad[rows] if self.pad is not None else None
         self.set_pad(pad if pad is not None else torch.zeros_like(rows))
@@ -689,6 +689,86 @@ class _Live:
         return logits
 
 
+class _HFRows:
+    """The ``hf`` family's batch state: transformers' ``DynamicCache`` and the rows'
+    attention mask (``[rows, columns]``, 1 where a row has a token) and newest positions.
+    Rows are left-padded and right-aligned, as in ``KVCache``."""
+
+    def __init__(self, model: Any, ids: torch.Tensor, pad: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        self.inner = model.inner
+        args = _forward_args(self.inner)
+        self.name = "cache" if "cache" in args else "past_key_values"
+        self.trim = "logits_to_keep" in args
+        cols = torch.arange(ids.shape[1], device=ids.device)
+        self.mask = (cols[None, :] >= pad[:, None]).long()
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache: Any = DynamicCache()
+        self.padded = bool(pad.any())
+
+    @property
+    def batch(self) -> int:
+        return int(self.mask.shape[0])
+
+    def forward(self, ids: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Logits of ``ids`` at ``self.positions`` (only the last position's if ``last``)."""
+        extra: dict[str, Any] = {}
+        if self.padded:
+            extra = {"attention_mask": self.mask, "position_ids": self.positions}
+        if last and self.trim:
+            extra["logits_to_keep"] = 1
+        out = self.inner(input_ids=ids, use_cache=True, **{self.name: self.cache}, **extra)
+        self.cache = getattr(out, self.name)
+        self.positions = self.positions[:, -1:]
+        logits: torch.Tensor = out.logits
+        return logits
+
+    def grow(self) -> None:
+        """The next token of every row: one more column, one more position."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.batch, 1)], dim=1)
+        self.positions = self.positions + 1
+
+    def joinable(self) -> bool:
+        """Whether rows can be added: every layer a plain ``DynamicLayer`` (a sliding
+        window or a recurrent state would need its own alignment)."""
+        layers: list[Any] = list(getattr(self.cache, "layers", None) or ())
+        return bool(layers) and all(type(x).__name__ == "DynamicLayer" for x in layers)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` (an index may repeat: rows copied); leading columns no row uses
+        are dropped."""
+        same = torch.arange(self.batch, device=rows.device)
+        if rows.numel() != self.batch or not bool((rows == same).all()):
+            self.cache.batch_select_indices(rows)
+            self.mask, self.positions = self.mask[rows], self.positions[rows]
+        used = self.mask.any(dim=0)
+        first = int(used.long().argmax()) if bool(used.any()) else 0
+        if first and self.joinable():
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.mask = self.mask[:, first:]
+
+    def join(self, other: _HFRows) -> None:
+        """Add ``other``'s rows, both right-aligned at the newest column."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def left(t: torch.Tensor, dim: int) -> torch.Tensor:
+            extra = width - t.shape[dim]
+            if not extra:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([left(mine.keys, 2), left(theirs.keys, 2)])
+            mine.values = torch.cat([left(mine.values, 2), left(theirs.values, 2)])
+        self.mask = torch.cat([left(self.mask, 1), left(other.mask, 1)])
+        self.positions = torch.cat([self.positions[:, -1:], other.positions[:, -1:]])
+        self.padded = self.padded or other.padded or not bool(self.mask.all())
+
+
 class Engine:
     """Decodes several requests to one model together, one forward per step for all.
 
@@ -698,8 +778,9 @@ class Engine:
     are dropped from the cache. Each request samples its own rows with its own parameters,
     generator, penalties and stop strings, so its result is what it would be alone (greedy:
     the same tokens; log-probabilities within float error). The ``hf`` family decodes
-    through transformers' cache with an attention mask and position ids; requests join it
-    only while it is empty (static batching).
+    through transformers' cache with an attention mask and position ids (``_HFRows``);
+    requests join it the same way where its layers are plain ``DynamicLayer`` (else only
+    while it is empty: static batching).
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer) -> None:
@@ -708,16 +789,12 @@ class Engine:
         self.device = next(model.parameters()).device
         self.limit = context_length(model)
         self.live: list[_Live] = []
-        self.cache: Any = None
+        self.cache: Any = None  # KVCache, or _HFRows for the hf family
         self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next token
-        self.mask: torch.Tensor | None = None  # hf: [rows, columns], 1 where a row has a token
-        self.last_pos: torch.Tensor | None = None  # hf: each row's newest position
-        self.padded = False  # hf: the mask is needed
-        self._args: set[str] | None = None  # hf: the names its forward takes
 
     @property
     def can_join(self) -> bool:
-        return not self.hf or not self.live
+        return not self.live or not self.hf or self.cache.joinable()
 
     @property
     def rows(self) -> int:
@@ -740,13 +817,12 @@ class Engine:
             raise RuntimeError("this model's batch takes requests only when it is empty")
         for req in reqs:
             self.check(req)
-        logits, pending = self._prefill(reqs)  # [rows, T, vocab]
+        logits, pending = self._prefill(reqs)  # [requests, T, vocab]: one row each
         width, vocab = logits.shape[1], logits.shape[-1]
         new: list[_Live] = []
-        keep: list[int] = []
+        keep: list[int] = []  # the prefill row of each batch row: a request's n choices
         ended: list[Request] = []
-        row = 0
-        for req in reqs:
+        for row, req in enumerate(reqs):
             live = _Live(req, self.tok, vocab, self.limit, self.device)
             if req.params.echo:
                 self._echo(live, logits[row, width - len(req.prompt) : width - 1])
@@ -755,20 +831,22 @@ class Engine:
                 ended.append(req)
             else:
                 new.append(live)
-                keep.extend(range(row, row + live.n))
-            row += live.n
+                keep.extend([row] * live.n)
         if not keep:
             return ended
         rows = torch.tensor(keep, dtype=torch.long, device=self.device)
         last = logits[rows, -1]
         self.logits = last if self.logits is None else torch.cat([self.logits, last])
+        had = bool(self.live)
         self.live.extend(new)
+        pending.select(rows)  # the prompt's keys and values, copied to each of its n rows
         if self.hf:
-            self._keep_hf(rows)
+            if had:
+                self.cache.join(pending)
+            else:
+                self.cache = pending
         else:
-            if len(keep) < pending.batch:
-                pending.select(rows)
-            parts = [pending] if self.cache is None else [self.cache, pending]
+            parts = [self.cache, pending] if had else [pending]
             room = max(live.steps - live.done for live in self.live)
             self.cache = KVCache.join(parts, room)
         for live in self.live:
@@ -779,23 +857,15 @@ class Engine:
         width = max(len(r.prompt) for r in reqs)
         ids, pads = [], []
         for r in reqs:
-            for _ in range(r.params.n):
-                pads.append(width - len(r.prompt))
-                ids.append([0] * pads[-1] + list(r.prompt))
+            pads.append(width - len(r.prompt))
+            ids.append([0] * pads[-1] + list(r.prompt))
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         pad = torch.tensor(pads, dtype=torch.long, device=self.device)
         if self.hf:
-            from transformers import DynamicCache
-
-            cols = torch.arange(width, device=self.device)
-            self.mask = (cols[None, :] >= pad[:, None]).long()
-            positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-            self.last_pos = positions[:, -1]
-            self.cache, self.padded = DynamicCache(), bool(pad.any())
+            rows = _HFRows(self.model, x, pad)
             # Only the last position's logits unless a prompt's own are asked for: a large
             # vocabulary times every prompt position is gigabytes.
-            last = not any(r.params.echo for r in reqs)
-            return self._hf_forward(x, positions, last), None
+            return rows.forward(x, last=not any(r.params.echo for r in reqs)), rows
         cfg = self.model.cfg
         param = next(self.model.parameters())
         pending = KVCache(
@@ -804,31 +874,6 @@ class Engine:
         )  # fmt: skip
         pending.set_pad(pad)
         return self.model.forward_cached(x, pending), pending
-
-    def _hf_forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, last: bool = False
-    ) -> torch.Tensor:
-        inner = self.model.inner
-        if self._args is None:
-            self._args = _forward_args(inner)
-        args = self._args
-        name = "cache" if "cache" in args else "past_key_values"
-        extra: dict[str, Any] = (
-            {"attention_mask": self.mask, "position_ids": positions} if self.padded else {}
-        )
-        if last and "logits_to_keep" in args:
-            extra["logits_to_keep"] = 1
-        out = inner(input_ids=ids, use_cache=True, **{name: self.cache}, **extra)
-        self.cache = getattr(out, name)
-        logits: torch.Tensor = out.logits
-        return logits
-
-    def _keep_hf(self, rows: torch.Tensor) -> None:
-        assert self.mask is not None and self.last_pos is not None
-        if rows.numel() == self.mask.shape[0]:
-            return
-        self.cache.batch_select_indices(rows)
-        self.mask, self.last_pos = self.mask[rows], self.last_pos[rows]
 
     def _echo(self, live: _Live, logits: torch.Tensor) -> None:
         """The prompt's own records from its prefill logits (``[len - 1, vocab]``: position
@@ -883,15 +928,10 @@ class Engine:
         rows = torch.tensor(keep, dtype=torch.long, device=self.device)
         last = torch.cat(tokens)[:, None]
         if ended:
-            if self.hf:
-                self._keep_hf(rows)
-            else:
-                self.cache.select(rows)
+            self.cache.select(rows)
         if self.hf:
-            assert self.mask is not None and self.last_pos is not None
-            self.mask = torch.cat([self.mask, self.mask.new_ones(len(keep), 1)], dim=1)
-            self.last_pos = self.last_pos + 1
-            self.logits = self._hf_forward(last, self.last_pos[:, None])[:, -1]
+            self.cache.grow()
+            self.logits = self.cache.forward(last)[:, -1]
         else:
             self.logits = self.model.forward_cached(last, self.cache)[:, -1]
         return [live.req for live in ended]

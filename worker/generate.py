@@ -13,10 +13,11 @@ so one tenant's burst does not hold up another's request. A request is acked as 
 Requests to the same model decode together (``trainer.generate.Engine``): a generation
 thread that takes a ``complete`` or ``chat`` request also takes the waiting requests for the
 same (job, step), owner by owner, up to ``TRAINQ_GENERATE_BATCH``, and after each token
-the waiting ones take the seats of those that ended (the ``hf`` family: only while its
-batch is empty). A thread steps up to ``MODELS_PER_THREAD`` such batches (models) a token
-each in turn. Each request keeps its own parameters, seed, stop strings, deadline and
-cancel, and its ``start`` event says how many requests it decodes with (``batch``).
+the waiting ones take the seats of those that ended (an ``hf`` model whose cache is not
+plain ``DynamicLayer``s: only while its batch is empty). A thread steps up to
+``MODELS_PER_THREAD`` such batches (models) a token each in turn. Each request keeps its
+own parameters, seed, stop strings, deadline and cancel, and its ``start`` event says how
+many requests it decodes with (``batch``).
 ``tokenize`` and ``detokenize`` are answered at once from the model's tokenizer; ``chat``
 renders its messages with ``trainer.chat`` (``_chat_prompt``) and is then a completion.
 

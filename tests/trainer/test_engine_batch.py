@@ -18,10 +18,11 @@ from trainer.config import HFModelConfig, LlamaConfig, ModelConfig
 from trainer.generate import ByteTokenizer, Engine, Request, Sampling, complete, token_text
 from trainer.models import build_model
 
+# The longest prompt ends first: the others' padding columns are then dropped.
 PROMPTS = [
     list(b"Le caf\xc3\xa9 d\xc3\xa9j\xc3\xa0 vu "),
+    list(b"The quick brown fox jumps over"),
     list(b"ab"),
-    list(b"The quick brown fox"),
 ]
 
 
@@ -81,20 +82,37 @@ def test_requests_decoded_together_equal_each_alone(family: str, tmp_path: Path)
     tok = ByteTokenizer()
     alone = [complete(model, tok, p, params(i)) for i, p in enumerate(PROMPTS)]
     assert len({tuple(c.token_ids) for a in alone for c in a.choices}) > 2, "prompts differ"
+    for joining in (False, True):
+        engine = Engine(model, tok)
+        reqs = [Request(p, params(i)) for i, p in enumerate(PROMPTS)]
+        if not joining:  # static batching: all at once
+            engine.add(reqs)
+        else:  # the third joins a batch already decoding (continuous batching)
+            engine.add(reqs[:2])
+            for _ in range(3):
+                engine.step()
+            assert engine.can_join
+            engine.add(reqs[2:])
+        engine.run()
+        assert [r.batch for r in reqs] == [3, 3, 3]
+        for a, r in zip(alone, reqs, strict=True):
+            assert r.error is None and r.result is not None
+            assert_same(a, r.result)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_seeded_sample_in_a_batch_is_the_one_drawn_alone(family: str, tmp_path: Path) -> None:
+    model = model_of(family, tmp_path)
+    tok = ByteTokenizer()
+    sampled = Sampling(max_tokens=12, temperature=0.8, top_p=0.95, seed=3, n=3)
+    alone = complete(model, tok, PROMPTS[2], sampled)
+    assert len({tuple(c.token_ids) for c in alone.choices}) > 1, "n draws"
+    reqs = [Request(PROMPTS[0], params(0)), Request(PROMPTS[2], sampled)]
     engine = Engine(model, tok)
-    reqs = [Request(p, params(i)) for i, p in enumerate(PROMPTS)]
-    if engine.hf:  # static batching: all at once
-        engine.add(reqs)
-    else:  # the third joins a batch already decoding (continuous batching)
-        engine.add(reqs[:2])
-        for _ in range(3):
-            engine.step()
-        engine.add(reqs[2:])
+    engine.add(reqs)
     engine.run()
-    assert [r.batch for r in reqs] == [3, 3, 3]
-    for a, r in zip(alone, reqs, strict=True):
-        assert r.error is None and r.result is not None
-        assert_same(a, r.result)
+    assert reqs[1].result is not None and reqs[1].result.seed == 3
+    assert [c.token_ids for c in reqs[1].result.choices] == [c.token_ids for c in alone.choices]
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "hf"])
@@ -123,16 +141,16 @@ def test_echo_gives_the_full_forwards_log_softmax(family: str, tmp_path: Path) -
 def test_a_logit_bias_forces_a_token_and_a_penalty_changes_a_repeat() -> None:
     model = model_of("llama", Path())
     tok = ByteTokenizer()
-    plain = complete(model, tok, PROMPTS[2], Sampling(max_tokens=24, temperature=0, logprobs=0))
+    plain = complete(model, tok, PROMPTS[1], Sampling(max_tokens=24, temperature=0, logprobs=0))
     ids = plain.choices[0].token_ids
     forced = Sampling(max_tokens=6, temperature=0, logit_bias=((ord("z"), 100.0),), logprobs=0)
-    out = complete(model, tok, PROMPTS[2], forced).choices[0]
+    out = complete(model, tok, PROMPTS[1], forced).choices[0]
     assert out.token_ids == [ord("z")] * 6
     # the records are of the raw logits, before the bias
     assert out.logprobs is not None and out.logprobs[0]["logprob"] < -1
     assert len(ids) > len(set(ids)), "greedy repeats a token"
     penalised = Sampling(max_tokens=24, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
-    got = complete(model, tok, PROMPTS[2], penalised).choices[0].token_ids
+    got = complete(model, tok, PROMPTS[1], penalised).choices[0].token_ids
     assert got != ids and len(set(got)) > len(set(ids))
     assert token_text("é".encode()) == "é" and token_text(b"\xe2\x82") == "bytes:\\xe2\\x82"
 
