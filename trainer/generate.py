@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from trainer.files import read_plain
-from trainer.tokenizer import BYTE, TOKENIZER_FILE, dataset_tokenizer
+from trainer.tokenizer import BYTE, TOKENIZER_FILE, dataset_tokenizer, special_tokens
 
 __all__ = [
     "TOKENIZER_FILE",
@@ -417,6 +417,7 @@ class HFTokenizer:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tok
 
+        self.path = path
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         spec = _json_file(path)
@@ -480,15 +481,13 @@ class HFTokenizer:
         return self.decode([token]).encode()
 
 
-_KNOWN_EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<eos>")
-
-
 def _eos_ids(
     tok: HFTokenizer, config: dict[str, Any], generation: dict[str, Any]
 ) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (an id or a list) and
-    tokenizer_config.json's ``eos_token``; with neither, a special token of tokenizer.json
-    with a well-known end-of-text name. (A private reader until trainer.tokenizer has one.)"""
+    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (an id or a list),
+    tokenizer_config.json's ``eos_token``, and the eos an export declares for this tokenizer
+    (``trainer.tokenizer.special_tokens``: the side files, the template, then a special token
+    with a well-known end-of-text name), so generation stops wherever the export says."""
     found: list[int] = []
     raw = generation.get("eos_token_id")
     for value in raw if isinstance(raw, list) else [raw]:
@@ -497,12 +496,9 @@ def _eos_ids(
     named = tok.eos_token
     if named is not None and tok.token_id(named) is not None:
         found.append(int(tok.token_id(named)))  # type: ignore[arg-type]
-    if not found:
-        special = set(tok._added.values())
-        for name in _KNOWN_EOS:
-            if name in special and tok.token_id(name) is not None:
-                found.append(int(tok.token_id(name)))  # type: ignore[arg-type]
-                break
+    declared = special_tokens(tok.path).get("eos")
+    if declared is not None:
+        found.append(declared.id)
     return tuple(dict.fromkeys(found))
 
 
@@ -951,17 +947,19 @@ class Engine:
         for i, (c, t, tok_id) in enumerate(zip(live.choices, live.texts, values, strict=True)):
             if c.finish_reason is not None:
                 continue
-            if tok_id in live.eos:
-                text, _ = t.finish()
-                c.finish_reason = "stop"
-                c.text += text
-                deltas.append((c.index, text, [], [] if c.logprobs is not None else None))
-                continue
             c.token_ids.append(tok_id)
             recs = None
             if c.logprobs is not None:
                 recs = [_record(self.tok, tok_id, own[i], tops[i], live.shift + t.chars)]
                 c.logprobs.extend(recs)
+            if tok_id in live.eos:
+                # As vLLM: the EOS token is the choice's last id, with its log-probability
+                # (lm-eval's echo reads "prompt, then one generated token"), not its text.
+                text, _ = t.finish()
+                c.finish_reason = "stop"
+                c.text += text
+                deltas.append((c.index, text, [tok_id], recs))
+                continue
             piece = t.decoder.push(tok_id)
             t.chars += len(piece)
             text, stopped = t.feed(piece)

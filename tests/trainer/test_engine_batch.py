@@ -163,7 +163,8 @@ def test_eos_ends_a_choice_unless_ignored() -> None:
     first = plain.token_ids.index(eos)
     out = complete(model, tok, PROMPTS[0], Sampling(max_tokens=20, temperature=0, eos=(eos,)))
     [c] = out.choices
-    assert c.finish_reason == "stop" and c.token_ids == plain.token_ids[:first]
+    # the EOS id ends the choice's ids (as vLLM counts it), not its text
+    assert c.finish_reason == "stop" and c.token_ids == plain.token_ids[: first + 1]
     assert c.text == bytes(plain.token_ids[:first]).decode(errors="replace")
     # ignore_eos: the worker passes no eos ids
     again = complete(model, tok, PROMPTS[0], Sampling(max_tokens=20, temperature=0)).choices[0]
