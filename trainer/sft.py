@@ -16,7 +16,8 @@ messages with ``"weight": 0``; for ``completion``, the completion and the eos to
 ``train_on_inputs`` every token does. Byte-level: each UTF-8 byte of a character has its
 character's mask.
 
-**Checks** (`check_line`), each a reason code with the line number: ``not_utf8``,
+**Checks** (`check_line`, in ``trainer.sft_lines``: the API and the CLI check uploads with
+it), each a reason code with the line number: ``not_utf8``,
 ``malformed_json``, ``bad_shape`` (not the format's object, a field of the wrong type),
 ``unknown_role``, ``empty_content``, ``bad_weight`` (not 0 or 1, or not on an assistant
 message), ``no_assistant_turn``; and at preparation ``template_error`` (the chat template
@@ -28,19 +29,28 @@ first ``max_len`` tokens (``"truncate"``); the report counts both.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from trainer.chat import ChatTemplateError, render_spans
+from trainer.sft_lines import (
+    MAX_PROBLEMS,
+    ROLES,
+    SFT_FORMATS,
+    LineError,
+    Problems,
+    check_line,
+    read_lines,
+)
 
 __all__ = [
     "MAX_PROBLEMS",
     "OVERLONG",
+    "ROLES",
     "SFT_FORMATS",
     "Example",
     "LineError",
@@ -49,114 +59,10 @@ __all__ = [
     "build_examples",
     "check_line",
     "encode_example",
+    "read_lines",
 ]
 
-SFT_FORMATS = ("chat", "completion")
-ROLES = ("system", "user", "assistant")
 OVERLONG = ("drop", "truncate")
-MAX_PROBLEMS = 5
-
-
-class LineError(ValueError):
-    """One line that is not an example of its format: a reason code and one line of text."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class Problems:
-    """Bad lines, counted by reason; the first ``MAX_PROBLEMS`` kept with their numbers."""
-
-    def __init__(self) -> None:
-        self.first: list[tuple[int, str]] = []
-        self.by_reason: Counter[str] = Counter()
-
-    def add(self, line: int, exc: LineError) -> None:
-        self.by_reason[exc.reason] += 1
-        if len(self.first) < MAX_PROBLEMS:
-            self.first.append((line, str(exc)))
-
-    def __len__(self) -> int:
-        return sum(self.by_reason.values())
-
-    def full(self) -> bool:
-        return len(self) >= MAX_PROBLEMS
-
-    def summary(self) -> str:
-        """``N bad line(s): line 3: ...; line 9: ...`` (the first few)."""
-        listed = "; ".join(f"line {n}: {why}" for n, why in self.first)
-        more = "" if len(self) <= len(self.first) else f" (and {len(self) - len(self.first)} more)"
-        return f"{len(self)} bad line(s): {listed}{more}"
-
-
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise LineError("bad_shape", f"{name} is not a string")
-    return value
-
-
-def _message(i: int, m: Any) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise LineError("bad_shape", f"{where} is not an object")
-    role = m.get("role")
-    if role not in ROLES:
-        shown = json.dumps(role)[:40]
-        raise LineError("unknown_role", f"{where} has role {shown}; roles are {', '.join(ROLES)}")
-    content = _text(m.get("content"), f"{where}.content")
-    if not content.strip():
-        raise LineError("empty_content", f"{where} ({role}) has empty content")
-    out: dict[str, Any] = {"role": role, "content": content}
-    if "weight" in m:
-        weight = m["weight"]
-        if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
-            raise LineError("bad_weight", f"{where}.weight must be 0 or 1, on assistant messages")
-        out["weight"] = int(weight)
-    return out
-
-
-def check_line(fmt: str, raw: bytes) -> dict[str, Any] | None:
-    """The example on one line, normalized (blank: None); LineError saying what is wrong."""
-    if not raw.strip():
-        return None
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise LineError("not_utf8", f"is not UTF-8 (byte 0x{raw[exc.start]:02x})") from None
-    except ValueError as exc:
-        raise LineError("malformed_json", f"is not JSON ({exc})") from None
-    if fmt == "completion":
-        if not isinstance(record, dict):
-            raise LineError("bad_shape", 'is not {"prompt": ..., "completion": ...}')
-        prompt = _text(record.get("prompt"), "prompt")
-        completion = _text(record.get("completion"), "completion")
-        if not completion.strip():
-            raise LineError("empty_content", "has an empty completion")
-        return {"prompt": prompt, "completion": completion}
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise LineError("bad_shape", 'is not {"messages": [...]} with at least one message')
-    out = [_message(i, m) for i, m in enumerate(messages)]
-    if not any(m["role"] == "assistant" for m in out):
-        raise LineError("no_assistant_turn", "has no assistant message to learn from")
-    try:
-        json.dumps(out).encode("utf-8")
-    except UnicodeEncodeError:
-        raise LineError("not_utf8", "holds a lone surrogate (not valid Unicode)") from None
-    return {"messages": out}
-
-
-def read_lines(data: bytes, fmt: str) -> Iterator[tuple[int, dict[str, Any] | LineError]]:
-    """(line number, example or its LineError) for each non-blank line of ``data``."""
-    for n, raw in enumerate(data.split(b"\n"), start=1):
-        try:
-            example = check_line(fmt, raw)
-        except LineError as exc:
-            yield n, exc
-            continue
-        if example is not None:
-            yield n, example
 
 
 class Tokens(Protocol):
