@@ -62,6 +62,10 @@ class Problems:
 def _text(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise LineError("bad_shape", f"{name} is not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's \ud800: no character, no UTF-8
+        raise LineError("not_utf8", f"{name} holds a lone surrogate (not Unicode text)") from None
     return value
 
 
@@ -109,10 +113,6 @@ def check_line(fmt: str, raw: bytes) -> dict[str, Any] | None:
     out = [_message(i, m) for i, m in enumerate(messages)]
     if not any(m["role"] == "assistant" for m in out):
         raise LineError("no_assistant_turn", "has no assistant message to learn from")
-    try:
-        json.dumps(out).encode("utf-8")
-    except UnicodeEncodeError:
-        raise LineError("not_utf8", "holds a lone surrogate (not valid Unicode)") from None
     return {"messages": out}
 
 
