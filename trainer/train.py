@@ -143,23 +143,18 @@ class Shared:
         return loss_sum, votes
 
 
-def step_targets(batches: list[tuple[torch.Tensor, torch.Tensor]], masked: bool) -> float:
+def step_targets(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], masked: bool, device: torch.device
+) -> float:
     """The target tokens of one optimizer step over all micro-batches and all ranks: summed
-    over the ranks (a collective) when the data has loss masks, else every token."""
+    over the ranks (a collective, on ``device``) when the data has loss masks, else every
+    token of every rank's batches (all of one shape)."""
     if not masked:
         local = sum(y.numel() for _, y in batches)
         return float(local * (dist.get_world_size() if dist.is_initialized() else 1))
-    count = torch.tensor(float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)))
-    if dist.is_initialized():
-        count = all_reduce_sum(count.to(_collective_device()))
-    return float(count.item())
-
-
-def _collective_device() -> torch.device:
-    """Where the default process group's collectives take tensors (NCCL: this GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    count = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    # int64: exact at any size (fp32 counts only up to 2^24 tokens exactly)
+    return float(all_reduce_sum(torch.tensor(count, dtype=torch.int64, device=device)).item())
 
 
 def token_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -338,7 +333,7 @@ def _run(
         t_data = time.perf_counter()
         batches = [sampler.batch(step, micro) for micro in range(accum)]
         # world / targets: the step's loss is its target tokens' mean (module docstring)
-        scale = world / max(1.0, step_targets(batches, masked))
+        scale = world / max(1.0, step_targets(batches, masked, device))
         window.data_seconds += time.perf_counter() - t_data
         for micro in range(accum):
             x, y = (t.to(device, non_blocking=True) for t in batches[micro])
