@@ -16,6 +16,14 @@ slots are numbered globally and dealt to ranks round-robin (rank-strided, like
 ``DistributedSampler``); each pass over the data (epoch) uses its own permutation, seeded by
 ``(seed, epoch)``, which is what ``DistributedSampler.set_epoch`` gives.
 
+**Loss masks** (chat and instruction data, ``trainer.sft``): beside a token shard
+``train_000000.bin`` a dataset may hold ``train_000000.mask``, the same 256-int32 header
+with magic ``MASK_MAGIC`` (20241224), version 1 and the same token count, then one uint8 per
+token: 1 if the token is a target (carries loss), 0 if not. Either every shard of a split
+has its mask or none has (DataError otherwise); masks are opened as the shards are, never
+through a link, and must count exactly their shard's tokens. With masks, the batch's
+targets ``y`` are ``IGNORE_INDEX`` (-100, ``cross_entropy``'s default) where the mask is 0.
+
 Only :meth:`BatchSampler.batch` needs torch, and imports it itself, so the shard tools
 (``trainer.prepare``, the service's ``trainq data prepare``) run without loading torch.
 """
@@ -40,24 +48,32 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEADER_INTS",
+    "IGNORE_INDEX",
     "MAGIC",
+    "MASK_MAGIC",
     "VERSION",
     "BatchSampler",
     "DataError",
     "TokenDataset",
     "check_vocab",
     "find_shards",
+    "open_mask",
     "open_shard",
+    "write_mask",
     "write_shard",
 ]
 
 MAGIC = 20240520
+MASK_MAGIC = 20241224
+MASK_SUFFIX = ".mask"
+IGNORE_INDEX = -100
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SPLITS = ("train", "val")
 META_FILE = "meta.json"  # written by trainer.prepare next to its shards
 _TOKEN_DTYPE = np.dtype("<u2")
+_MASK_DTYPE = np.dtype("u1")
 _HEADER_DTYPE = np.dtype("<i4")
 
 
@@ -82,8 +98,21 @@ def write_shard(path: str | os.PathLike[str], tokens: np.ndarray) -> None:
         arr = arr.astype(_TOKEN_DTYPE)
     if arr.size > np.iinfo(np.int32).max:
         raise DataError(f"{path}: {arr.size} tokens do not fit one shard's int32 count")
+    _write_atomic(path, MAGIC, arr)
+
+
+def write_mask(path: str | os.PathLike[str], mask: np.ndarray) -> None:
+    """Write a loss mask (1 = a target) for the shard of the same stem, atomically."""
+    path = Path(path)
+    arr = np.asarray(mask)
+    if arr.ndim != 1 or arr.size == 0:
+        raise DataError(f"{path}: a mask is a non-empty 1-D array, got shape {arr.shape}")
+    _write_atomic(path, MASK_MAGIC, (arr != 0).astype(_MASK_DTYPE))
+
+
+def _write_atomic(path: Path, magic: int, arr: np.ndarray) -> None:
     header = np.zeros(HEADER_INTS, dtype=_HEADER_DTYPE)
-    header[0], header[1], header[2] = MAGIC, VERSION, arr.size
+    header[0], header[1], header[2] = magic, VERSION, arr.size
     make_dirs(path.parent)
     # The temp file lives next to the target so the rename stays on one filesystem (atomic).
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -155,6 +184,44 @@ def open_shard(
             )
         # The map keeps its own reference to the file: closing ``f`` leaves it valid.
         return np.memmap(f, dtype=_TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def mask_name(shard: str) -> str:
+    """The mask file of token shard ``shard`` (``train_000000.bin`` -> ``train_000000.mask``)."""
+    return shard[: -len(".bin")] + MASK_SUFFIX if shard.endswith(".bin") else shard + MASK_SUFFIX
+
+
+def open_mask(
+    shard: str | os.PathLike[str], count: int, *, dir_fd: int | None = None, label: str = ""
+) -> np.memmap | None:
+    """The loss mask beside ``shard`` (None when it has none), memory-mapped read-only;
+    DataError unless its header is a mask's for exactly ``count`` tokens. Opened as the
+    shards are: without following a link, relative to ``dir_fd`` when given."""
+    shard = Path(shard)
+    path = shard.with_name(mask_name(shard.name))
+    name = label or str(path)
+    try:
+        fd = open_plain(path.name if dir_fd is not None else path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except NotPlainFile as exc:
+        raise DataError(
+            f"mask {name} {exc.strerror}: masks are read as regular files, never through a link"
+        ) from None
+    except OSError as exc:
+        raise DataError(f"mask {name}: cannot open: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        header = np.frombuffer(os.pread(fd, HEADER_BYTES, 0), dtype=_HEADER_DTYPE)
+        ok = header.size == HEADER_INTS and (int(header[0]), int(header[1])) == (
+            MASK_MAGIC, VERSION,
+        )  # fmt: skip
+        if not ok or int(header[2]) != count or size != HEADER_BYTES + count:
+            raise DataError(
+                f"mask {name} is not a loss mask of its shard's {count} tokens (header or"
+                " size disagree)"
+            )
+        return np.memmap(f, dtype=_MASK_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 def find_shards(
@@ -230,8 +297,21 @@ class TokenDataset:
             self.shards: list[np.memmap] = [
                 open_shard(p, dir_fd=dir_fd, label=f"{self.label}/{p.name}") for p in self.paths
             ]
+            masks = [
+                open_mask(
+                    p, int(s.shape[0]), dir_fd=dir_fd, label=f"{self.label}/{mask_name(p.name)}"
+                )
+                for p, s in zip(self.paths, self.shards, strict=True)
+            ]
         finally:
             os.close(dir_fd)
+        if any(m is None for m in masks) and any(m is not None for m in masks):
+            raise DataError(
+                f"data folder {self.label}: some {split} shards have a loss mask (.mask) and"
+                " some not; a split has one for every shard or none"
+            )
+        # Loss masks, one per shard (chat and instruction data), or None: every token a target.
+        self.masks: list[np.memmap] | None = masks if masks and masks[0] is not None else None  # type: ignore[assignment]
         self.num_tokens = sum(int(s.shape[0]) for s in self.shards)
         counts = np.array([s.shape[0] // self.window for s in self.shards], dtype=np.int64)
         # _starts[k] is the global index of shard k's first window; _starts[-1] == num_samples.
@@ -260,14 +340,21 @@ class TokenDataset:
 
     def gather(self, indices: np.ndarray) -> np.ndarray:
         """Windows ``indices`` as a ``[len(indices), seq_len+1]`` uint16 array (one copy)."""
+        return self._gather(self.shards, indices, _TOKEN_DTYPE)
+
+    def gather_mask(self, indices: np.ndarray) -> np.ndarray | None:
+        """The loss masks of windows ``indices`` (uint8, like ``gather``), or None: no masks."""
+        return None if self.masks is None else self._gather(self.masks, indices, _MASK_DTYPE)
+
+    def _gather(self, arrays: list[np.memmap], indices: np.ndarray, dtype: np.dtype) -> np.ndarray:
         idx = np.asarray(indices, dtype=np.int64)
-        out = np.empty((idx.size, self.window), dtype=_TOKEN_DTYPE)
+        out = np.empty((idx.size, self.window), dtype=dtype)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
         # Usually every sample of a batch is in one or two shards: one fancy-index read each.
         for k in np.unique(shard_of):
             rows = np.flatnonzero(shard_of == k)
             starts = (idx[rows] - self._starts[k]) * self.window
-            out[rows] = self.shards[k][starts[:, None] + self._offsets]
+            out[rows] = arrays[k][starts[:, None] + self._offsets]
         return out
 
 
@@ -392,12 +479,17 @@ class BatchSampler:
         return out
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``: int64 ``[B, seq_len]`` CPU tensors (pinned when ``pin_memory``)."""
+        """``(x, y)``: int64 ``[B, seq_len]`` CPU tensors (pinned when ``pin_memory``); with
+        loss masks, ``y`` is ``IGNORE_INDEX`` where a token is no target."""
         import torch  # here, so that shard tools (trainer.prepare, the service) never load torch
 
-        windows = torch.from_numpy(self.dataset.gather(self.indices(step, micro)).astype(np.int64))
+        indices = self.indices(step, micro)
+        windows = torch.from_numpy(self.dataset.gather(indices).astype(np.int64))
         x = windows[:, :-1]
         y = windows[:, 1:]
+        mask = self.dataset.gather_mask(indices)
+        if mask is not None:
+            y = y.masked_fill(torch.from_numpy(mask[:, 1:] == 0), IGNORE_INDEX)
         if self.pin_memory:
             return x.contiguous().pin_memory(), y.contiguous().pin_memory()
         return x.contiguous(), y.contiguous()

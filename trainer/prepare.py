@@ -17,8 +17,20 @@ whatever the
 umask (trainer.files): the dataset is read by jobs of the whole group.
 
 Files are concatenated in the order given; the last ``val_fraction`` of the tokens is the
-validation split. Bad input is a :class:`~trainer.data.DataError` from :func:`prepare`; the
-CLI prints it as one line on stderr and exits 1.
+validation split.
+
+``--format chat`` or ``--format completion`` (:func:`prepare_sft`) reads JSON Lines of
+conversations or prompt/completion pairs instead (``trainer.sft``: the checks, the chat
+template, which tokens carry loss). Beside each token shard it writes the loss mask
+(``train_000000.mask``, trainer.data), beside ``tokenizer.json`` the tokenizer's
+``tokenizer_config.json`` (its chat template and special tokens, so serving renders as
+training did), and into meta.json a ``sft`` report: examples, tokens, target tokens and
+their share, what was dropped or truncated and why. Options: ``--max-len N`` with
+``--overlong drop|truncate``, ``--train-on-inputs``. A bad line fails the whole
+preparation with the first few bad lines and their numbers.
+
+Bad input is a :class:`~trainer.data.DataError` from :func:`prepare`; the CLI prints it
+as one line on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -36,12 +48,22 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import META_FILE, DataError, write_shard
+from trainer.data import META_FILE, DataError, mask_name, write_mask, write_shard
 from trainer.files import NotPlainFile, make_dirs, read_plain, set_mode
+from trainer.sft import (
+    OVERLONG,
+    SFT_FORMATS,
+    ByteTokens,
+    Template,
+    build_examples,
+    read_lines,
+)
 from trainer.shard_stream import ShardStream, val_tokens
 from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
-__all__ = ["PrepareSummary", "byte_summary", "main", "prepare", "prepare_demo"]
+__all__ = ["PrepareSummary", "byte_summary", "main", "prepare", "prepare_demo", "prepare_sft"]
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 BYTE_VOCAB = 256
 UINT16_VOCAB = 1 << 16
@@ -61,6 +83,7 @@ class PrepareSummary:
     val_tokens: int
     train_shards: int
     val_shards: int
+    sft: dict[str, Any] | None = None  # chat/completion data: trainer.sft.SftReport
 
     def line(self) -> str:
         return (
@@ -70,7 +93,10 @@ class PrepareSummary:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["sft"] is None:
+            del out["sft"]
+        return out
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -154,6 +180,12 @@ class _HFTokenizer:
                 f"tokenizer {path} has vocab size {self.vocab_size}; shards hold uint16 "
                 f"tokens, so at most {UINT16_VOCAB}"
             )
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``text`` (no special tokens added) and each token's first character."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        starts = np.fromiter((a for a, _ in enc.offsets), np.int64, len(enc.ids))
+        return np.asarray(enc.ids, dtype=np.uint16), starts
 
     def encode(self, text: str) -> np.ndarray:
         parts = [
@@ -259,7 +291,8 @@ def _val_tokens(total: int, val_fraction: float) -> int:
 
 
 def _existing(out: Path, overwrite: bool) -> list[Path]:
-    existing = sorted([*out.glob("train*.bin"), *out.glob("val*.bin")]) if out.is_dir() else []
+    globs = ("train*.bin", "val*.bin", "train*.mask", "val*.mask")
+    existing = sorted(p for g in globs for p in out.glob(g)) if out.is_dir() else []
     if existing and not overwrite:
         raise DataError(
             f"output {out} already holds shards ({existing[0].name}, ...); "
@@ -325,6 +358,121 @@ def _write_tokenizer(out: Path, text: str | None) -> None:
         _write_text(out / TOKENIZER_FILE, text)
 
 
+def _token_content(value: Any) -> str:
+    """tokenizer_config.json writes a special token as a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _tokenizer_config(path: Path) -> tuple[Template, str | None]:
+    """The chat template and special tokens of the ``tokenizer_config.json`` beside the
+    tokenizer file (read without following a link), and its text to copy; none: defaults."""
+    try:
+        text = read_plain(path.parent / TOKENIZER_CONFIG, limit=1 << 24).decode("utf-8")
+        config = json.loads(text)
+    except FileNotFoundError:
+        return Template(), None
+    except (OSError, ValueError) as exc:  # not the parser's words: they would quote the file
+        raise DataError(f"the tokenizer's {TOKENIZER_CONFIG} is unreadable") from exc
+    if not isinstance(config, dict):
+        raise DataError(f"the tokenizer's {TOKENIZER_CONFIG} is not a JSON object")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name", "template"}]: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return (
+        Template(
+            chat_template=template if isinstance(template, str) else None,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+        ),
+        text,
+    )
+
+
+def prepare_sft(
+    files: Sequence[str | Path],
+    out: str | Path,
+    fmt: str,
+    *,
+    val_fraction: float = 0.1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    tokenizer: str | Path | None = None,
+    max_len: int | None = None,
+    overlong: str = "drop",
+    train_on_inputs: bool = False,
+    overwrite: bool = False,
+) -> PrepareSummary:
+    """Chat or completion JSON Lines into token shards with loss masks (module docstring)."""
+    if fmt not in SFT_FORMATS:
+        raise DataError(f"format must be one of {', '.join(SFT_FORMATS)}, got {fmt!r}")
+    if overlong not in OVERLONG:
+        raise DataError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
+    if max_len is not None and max_len < 1:
+        raise DataError(f"max_len must be >= 1, got {max_len}")
+    if not files:
+        raise DataError("no input files given")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
+    if not 1 <= shard_tokens <= np.iinfo(np.int32).max:
+        raise DataError(f"shard tokens must be in 1..{np.iinfo(np.int32).max}, got {shard_tokens}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {out} exists and is not a directory")
+    tok = _HFTokenizer(Path(tokenizer)) if tokenizer is not None else None
+    template, config_text = _tokenizer_config(Path(tokenizer)) if tokenizer else (Template(), None)
+    # Lines are numbered across the files, in order, as if they were one.
+    data = b"\n".join(_read_bytes(Path(f)).rstrip(b"\n") for f in files)
+    ids, mask, report, problems = build_examples(
+        read_lines(data, fmt), fmt, tok or ByteTokens(), template,
+        max_len=max_len, overlong=overlong, train_on_inputs=train_on_inputs,
+    )  # fmt: skip
+    if problems:
+        raise DataError(f"the {fmt} data has {problems.summary()}")
+    if ids.size == 0:
+        why = ", ".join(f"{n} {r}" for r, n in report.dropped.items()) or "no examples"
+        raise DataError(f"the {fmt} data produced no tokens ({why} dropped)")
+    n_val = _val_tokens(ids.size, val_fraction)
+    existing = _existing(out, overwrite)
+    try:
+        make_dirs(out)
+        for old in existing:
+            old.unlink()
+        cut = ids.size - n_val
+        summary = PrepareSummary(
+            out=str(out),
+            tokenizer=tok.name if tok else BYTE,
+            vocab_size=tok.vocab_size if tok else BYTE_VOCAB,
+            train_tokens=int(cut),
+            val_tokens=int(n_val),
+            train_shards=_write_masked(out, "train", ids[:cut], mask[:cut], shard_tokens),
+            val_shards=_write_masked(out, "val", ids[cut:], mask[cut:], shard_tokens),
+            sft=report.to_dict(),
+        )
+        _write_tokenizer(out, tok.text if tok else None)
+        if config_text is not None:
+            _write_text(out / TOKENIZER_CONFIG, config_text)
+        else:
+            (out / TOKENIZER_CONFIG).unlink(missing_ok=True)
+        _write_json(out / META_FILE, summary.to_dict())
+    except OSError as exc:
+        raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
+    return summary
+
+
+def _write_masked(
+    out: Path, split: str, tokens: np.ndarray, mask: np.ndarray, shard_tokens: int
+) -> int:
+    """Token shards and their loss masks, cut at the same places."""
+    starts = range(0, tokens.size, shard_tokens)
+    for n, start in enumerate(starts):
+        name = f"{split}_{n:06d}.bin"
+        write_shard(out / name, tokens[start : start + shard_tokens])
+        write_mask(out / mask_name(name), mask[start : start + shard_tokens])
+    return len(starts)
+
+
 def prepare_demo(out: str | Path) -> Path:
     """Shard the bundled demo corpus (byte-level) into ``out``, replacing shards there."""
     out = Path(out)
@@ -347,20 +495,34 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    p.add_argument(
+        "--format", choices=("text", *SFT_FORMATS), default="text",
+        help="text (default), or JSON Lines of chat conversations / prompt-completion pairs",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-len", type=int, default=None, help="chat/completion: tokens an example may have"
+    )
+    p.add_argument("--overlong", choices=OVERLONG, default="drop", help="an example past --max-len")
+    p.add_argument("--train-on-inputs", action="store_true", help="every token carries loss")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    common = {
+        "val_fraction": args.val_fraction,
+        "shard_tokens": args.shard_tokens,
+        "tokenizer": args.tokenizer,
+        "overwrite": args.overwrite,
+    }
     try:
-        summary = prepare(
-            args.files,
-            args.out,
-            val_fraction=args.val_fraction,
-            shard_tokens=args.shard_tokens,
-            tokenizer=args.tokenizer,
-            overwrite=args.overwrite,
-        )
+        if args.format == "text":
+            summary = prepare(args.files, args.out, **common)
+        else:
+            summary = prepare_sft(
+                args.files, args.out, args.format, max_len=args.max_len,
+                overlong=args.overlong, train_on_inputs=args.train_on_inputs, **common,
+            )  # fmt: skip
     except DataError as exc:
         print(f"prepare: error: {exc}", file=sys.stderr)
         return 1

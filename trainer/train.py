@@ -5,6 +5,15 @@ was told to stop (SIGTERM), so every rank makes the same decision at the same st
 on one rank stops all of them, and a preemption saves one checkpoint collectively. It is
 started before the step's last backward and read after it (`Shared`), so it costs the step
 no round trip of its own.
+
+**The loss of a step** is the sum of the per-token cross-entropies over the step's target
+tokens divided by the number of target tokens in the whole step: every micro-batch of
+gradient accumulation on every rank (`step_targets`), not a mean per micro-batch averaged
+again. Each rank's micro-batch contributes ``sum * world / targets`` (DDP and FSDP average
+gradients over the ranks, which divides by ``world`` again). Without loss masks every token
+is a target and the count is known (``B * T * accum * world``): the same loss as the mean per
+micro-batch, without a collective. With masks (chat and instruction data, trainer.data) the
+count is summed over the ranks first, one small all-reduce per step before its first forward.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from trainer.checkpoint import (
@@ -32,7 +42,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import ConfigError, OptimConfig, TrainConfig
-from trainer.data import BatchSampler, DataError, TokenDataset, check_vocab
+from trainer.data import IGNORE_INDEX, BatchSampler, DataError, TokenDataset, check_vocab
 from trainer.env import TrainerEnv, write_crash, write_exit_file
 from trainer.events import ExitCode
 from trainer.lora import apply_lora, init_lora, lora_param_count, targets_for
@@ -131,6 +141,29 @@ class Shared:
             self._work.wait()
         loss_sum, votes = self._tensor.tolist()
         return loss_sum, votes
+
+
+def step_targets(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], masked: bool, device: torch.device
+) -> float:
+    """The target tokens of one optimizer step over all micro-batches and all ranks: summed
+    over the ranks (a collective, on ``device``) when the data has loss masks, else every
+    token of every rank's batches (all of one shape)."""
+    if not masked:
+        local = sum(y.numel() for _, y in batches)
+        return float(local * (dist.get_world_size() if dist.is_initialized() else 1))
+    count = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    # int64: exact at any size (fp32 counts only up to 2^24 tokens exactly)
+    return float(all_reduce_sum(torch.tensor(count, dtype=torch.int64, device=device)).item())
+
+
+def token_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The sum of the cross-entropies (fp32) of the targets of ``y`` (IGNORE_INDEX: none)."""
+    logits = model(x)
+    return F.cross_entropy(
+        logits.float().view(-1, logits.shape[-1]), y.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )  # fmt: skip
 
 
 def check_preflight(cfg: TrainConfig) -> None:
@@ -260,6 +293,7 @@ def _run(
     else:
         _say(env, f"{n_params:,} parameters, {strategy} x{world}, {cfg.precision}, {device}")
     sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
+    masked = train_data.masks is not None
     val_sampler = BatchSampler(val_data, B, 1, env.rank, world, cfg.seed) if val_data else None
     tokens_per_step = B * accum * world * cfg.model.seq_len
     peak = peak_flops(device, cfg.precision)
@@ -296,15 +330,17 @@ def _run(
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
+        t_data = time.perf_counter()
+        batches = [sampler.batch(step, micro) for micro in range(accum)]
+        # world / targets: the step's loss is its target tokens' mean (module docstring)
+        scale = world / max(1.0, step_targets(batches, masked, device))
+        window.data_seconds += time.perf_counter() - t_data
         for micro in range(accum):
-            t_data = time.perf_counter()
-            x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step, micro))
-            window.data_seconds += time.perf_counter() - t_data
+            x, y = (t.to(device, non_blocking=True) for t in batches[micro])
             last = micro == accum - 1
             with maybe_no_sync(model, sync=last):
                 with autocast:
-                    loss = model(x, y)
-                    loss = loss / accum if accum > 1 else loss  # no graph node for a 1
+                    loss = token_loss_sum(model, x, y) * scale
                 loss_sum += loss.detach()
                 if last:  # the step's one collective travels while the last backward runs
                     shared = Shared(loss_sum, stop.requested)
@@ -380,15 +416,18 @@ def evaluate(
     autocast: Any,
     world: int,
 ) -> float:
-    """Mean loss over the same ``steps`` val batches each time, averaged over all ranks."""
+    """The mean loss per target token over the same ``steps`` val batches each time, all
+    ranks together (without loss masks: the mean of the batches' means)."""
     model.eval()
-    total = torch.zeros((), device=device)
+    sums = torch.zeros(2, device=device)  # loss sum, target tokens
     for i in range(steps):
         x, y = (t.to(device, non_blocking=True) for t in sampler.batch(i, 0))
         with autocast:
-            total += model(x, y)
+            sums[0] += token_loss_sum(model, x, y)
+        sums[1] += (y != IGNORE_INDEX).sum()
     model.train()
-    return all_reduce_sum(total).item() / (steps * world)
+    loss, targets = all_reduce_sum(sums).tolist()
+    return loss / max(1.0, targets)
 
 
 def _say(env: TrainerEnv, line: str) -> None:

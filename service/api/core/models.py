@@ -241,7 +241,7 @@ class Dataset(Base):
     name: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text)
-    format: Mapped[str] = mapped_column(String(8))  # text, jsonl or bin
+    format: Mapped[str] = mapped_column(String(16))  # text, jsonl, bin, chat or completion
     tokenizer: Mapped[str] = mapped_column(String(1024))  # "byte" or a path under the data root
     path: Mapped[str] = mapped_column(String(1024))
     bytes: Mapped[int] = mapped_column(BigInteger)  # uploaded so far, then the upload's size
@@ -252,6 +252,8 @@ class Dataset(Base):
     train_tokens: Mapped[int | None] = mapped_column(BigInteger)
     val_tokens: Mapped[int | None] = mapped_column(BigInteger)
     vocab_size: Mapped[int | None] = mapped_column(Integer)
+    # chat and completion: what the preparation made (trainer.sft.SftReport)
+    report: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]  # the uploading/preparing process's heartbeat
     ready_at: Mapped[datetime | None]

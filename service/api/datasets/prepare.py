@@ -1,8 +1,9 @@
 """The preparation of one uploaded dataset, run as a child process of the API.
 
-``python -m service.api.datasets.prepare --format text|jsonl|bin --src FILE --out DIR
---dataset-path datasets/KEY/NAME [--val-fraction F] [--tokenizer FILE] [--vocab-size N]
-[--wait-go] [--shard-tokens N]`` (started while the upload streams in, so its imports
+``python -m service.api.datasets.prepare --format text|jsonl|bin|chat|completion --src FILE
+--out DIR --dataset-path datasets/KEY/NAME [--val-fraction F] [--tokenizer FILE]
+[--vocab-size N] [--wait-go] [--shard-tokens N] [--max-len N] [--overlong drop|truncate]
+[--train-on-inputs]`` (started while the upload streams in, so its imports
 overlap it; it begins when ``go`` arrives on stdin, and exits doing nothing on anything
 else).
 
@@ -14,7 +15,9 @@ end, moves the last ``val_fraction`` of the tokens to the val shards and writes 
 headers, so ``ready`` follows the last byte closely. The shards are byte for byte what
 ``trainer.prepare.prepare`` writes for the same file. Anything but ``go`` (``stop``, or
 stdin closed) ends it with nothing printed. Otherwise (a Hugging Face tokenizer, or no
-warm child) text and jsonl go through ``trainer.prepare.prepare`` as a library; bin
+warm child) text and jsonl go through ``trainer.prepare.prepare`` as a library, chat and
+completion (the upload's lines, already checked) through ``trainer.prepare.prepare_sft``
+(its ``sft`` report is in the result, and becomes the dataset's ``report``); bin
 (llm.c shards back to back, already checked) is re-sharded: all tokens in upload order,
 the last ``val_fraction`` of them the val split, as ``prepare`` splits text. The folder
 gets what ``prepare`` writes (shards, ``meta.json``, ``tokenizer.json`` for a Hugging Face
@@ -43,7 +46,8 @@ import numpy as np
 
 from trainer.data import HEADER_INTS, META_FILE, DataError, write_shard
 from trainer.files import make_dirs, read_plain, set_mode
-from trainer.prepare import DEFAULT_SHARD_TOKENS, byte_summary, prepare
+from trainer.prepare import DEFAULT_SHARD_TOKENS, byte_summary, prepare, prepare_sft
+from trainer.sft import OVERLONG, SFT_FORMATS
 from trainer.shard_stream import ShardStream, val_tokens
 from trainer.tokenizer import BYTE, TOKENIZER_FILE
 
@@ -171,6 +175,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
     if args.format == "bin":
         summary = reshard(src, out, args.val_fraction, args.vocab_size, tokenizer)
+    elif args.format in SFT_FORMATS:
+        summary = prepare_sft(
+            [src], out, args.format, val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens, tokenizer=tokenizer, max_len=args.max_len,
+            overlong=args.overlong, train_on_inputs=args.train_on_inputs,
+        ).to_dict()  # fmt: skip
     else:
         prepared = prepare(
             [src],
@@ -187,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.api.datasets.prepare")
-    p.add_argument("--format", choices=("text", "jsonl", "bin"), required=True)
+    p.add_argument("--format", choices=("text", "jsonl", "bin", *SFT_FORMATS), required=True)
     p.add_argument("--src", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--dataset-path", required=True)
@@ -196,8 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--wait-go", action="store_true", help="start, then wait for go on stdin")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--overlong", choices=OVERLONG, default="drop")
+    p.add_argument("--train-on-inputs", action="store_true")
     args = p.parse_args(argv)
-    streamed = args.wait_go and args.format != "bin" and not args.tokenizer
+    streamed = args.wait_go and args.format in ("text", "jsonl") and not args.tokenizer
     try:
         if streamed:
             followed = follow(args, _Stdin())

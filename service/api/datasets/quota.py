@@ -55,10 +55,17 @@ def prepared_bound(fmt: str, received: int, tokenizer_bytes: int = 0) -> int:
     """At most what the prepared folder of an upload of ``received`` bytes holds: its
     tokens at 2 bytes each (text and jsonl: at most one a byte; bin: the shards' own), a
     header per shard (train and val each end with a partial one), ``meta.json``, and the
-    copied ``tokenizer.json`` (``tokenizer_bytes``)."""
+    copied ``tokenizer.json`` (``tokenizer_bytes``); chat and completion: see below."""
     tokens = received // 2 if fmt == "bin" else received
+    per_token, files = 2, 1
+    if fmt in ("chat", "completion"):
+        # A template adds its markers (ChatML's take about what the shortest JSON message
+        # spends on its keys): twice the bytes; and each token has a mask byte beside its
+        # two, in a mask shard per token shard, and tokenizer_config.json comes along. A
+        # template wordier than that is caught when the folder settles (its real size).
+        tokens, per_token, files = 2 * tokens, 3, 2
     shards = tokens // SHARD_TOKENS + 2
-    return 2 * tokens + shards * HEADER_BYTES + META_BYTES + tokenizer_bytes
+    return per_token * tokens + files * (shards * HEADER_BYTES + META_BYTES) + tokenizer_bytes
 
 
 def folder_bytes(folder: Path) -> int:

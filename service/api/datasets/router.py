@@ -22,9 +22,10 @@ from service.api.core.models import DATASETS
 from service.api.core.responses import errors
 from service.api.datasets import quota
 from service.api.datasets import service as datasets
-from service.api.datasets.service import ACTIVE, DatasetList, DatasetOut, Format
+from service.api.datasets.service import ACTIVE, DatasetList, DatasetOut, Format, Overlong
 from service.api.datasets.upload import Refused, UploadSink, make_check
 from service.api.datasets.work import DatasetWork
+from trainer.sft_lines import SFT_FORMATS
 
 __all__ = ["UPLOAD_PATH", "router"]
 
@@ -47,8 +48,9 @@ OwnerQuery = Annotated[
 _BODY = {
     "requestBody": {
         "required": True,
-        "description": "the corpus: UTF-8 text, JSON Lines with a text field per line, or "
-        "llm.c shards back to back (`curl --data-binary @corpus.txt`)",
+        "description": "the corpus: UTF-8 text, JSON Lines with a text field per line, JSON"
+        " Lines of conversations (chat) or prompt/completion pairs (completion), or llm.c"
+        " shards back to back (`curl --data-binary @corpus.txt`)",
         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
     }
 }
@@ -96,7 +98,7 @@ async def upload_dataset(
     services: ServicesDep,
     principal: PrincipalDep,
     name: Annotated[str, Query(min_length=1, max_length=64, description="unique per owner")],
-    format: Annotated[Format, Query(description="text, jsonl or bin")] = "text",
+    format: Annotated[Format, Query(description="text, jsonl, bin, chat or completion")] = "text",
     tokenizer: Annotated[
         str,
         Query(
@@ -113,6 +115,26 @@ async def upload_dataset(
     val_fraction: Annotated[
         float, Query(ge=0, lt=1, description="the last share of the tokens, for validation")
     ] = 0.1,
+    max_len: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=1 << 24,
+            description="chat, completion: the tokens an example may have after templating"
+            " (default: no limit)",
+        ),
+    ] = None,
+    overlong: Annotated[
+        Overlong | None,
+        Query(
+            description="chat, completion: an example past max_len is dropped (default)"
+            " or truncated"
+        ),
+    ] = None,
+    train_on_inputs: Annotated[
+        bool | None,
+        Query(description="chat, completion: every token carries loss, not only the answers"),
+    ] = None,
 ) -> Response:
     """Upload a corpus (the body, streamed to disk and checked as it comes); 202 with the
     dataset, ``preparing``: poll it until ``ready`` (or ``failed``, with a reason). A bad
@@ -131,6 +153,7 @@ async def upload_dataset(
             ["query", "vocab_size"], "format bin with a Hugging Face tokenizer needs vocab_size"
         )
     vocab = vocab_size or 256
+    options = _sft_options(format, max_len, overlong, train_on_inputs)
     limit = settings.dataset_max_upload_bytes
     declared = request.headers.get("content-length")
     size = int(declared) if declared and declared.isdigit() else 0
@@ -177,7 +200,7 @@ async def upload_dataset(
     sink: UploadSink | None = None
     writing: asyncio.Future[None] | None = None
     try:
-        await work.warm(row, tok_file, vocab, val_fraction)
+        await work.warm(row, tok_file, vocab, val_fraction, options)
         sink = await run_in_threadpool(UploadSink, upload, make_check(format, vocab))
         # One buffer written (and checked) on a worker thread while the next one arrives.
         buf, received = bytearray(), 0
@@ -224,8 +247,29 @@ async def upload_dataset(
         await run_in_threadpool(datasets.remove_work, data_root, dataset_id)
         raise Conflict(f"dataset {name} was failed while it uploaded (see its reason)")
     row.update(values)
-    work.start_prepare(row, tok_file, vocab, val_fraction)
+    work.start_prepare(row, tok_file, vocab, val_fraction, options)
     return _json(datasets.dataset_out(row), 202)
+
+
+def _sft_options(
+    fmt: str, max_len: int | None, overlong: str | None, train_on_inputs: bool | None
+) -> list[str]:
+    """The preparation's options of a chat or completion upload (service.api.datasets.
+    prepare's argv); a 422 naming the option given with another format."""
+    given = {"max_len": max_len, "overlong": overlong, "train_on_inputs": train_on_inputs}
+    if fmt not in SFT_FORMATS:
+        for field, value in given.items():
+            if value is not None:
+                raise InvalidInput.at(
+                    ["query", field], f"{field} goes with format chat or completion only"
+                )
+        return []
+    options = ["--overlong", overlong or "drop"]
+    if max_len is not None:
+        options += ["--max-len", str(max_len)]
+    if train_on_inputs:
+        options.append("--train-on-inputs")
+    return options
 
 
 class UploadTimeout(TrainqError):

@@ -68,8 +68,9 @@ __all__ = [
 ]
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-FORMATS = ("text", "jsonl", "bin")
-Format = Literal["text", "jsonl", "bin"]
+FORMATS = ("text", "jsonl", "bin", "chat", "completion")
+Format = Literal["text", "jsonl", "bin", "chat", "completion"]
+Overlong = Literal["drop", "truncate"]
 Status = Literal["uploading", "preparing", "ready", "failed"]
 BYTE = "byte"
 ROOT_DIR = DATASETS_AREA
@@ -94,7 +95,15 @@ class DatasetOut(BaseModel):
         " while it uploads and prepares, its folder's size once ready, 0 once failed",
     )
     documents: int | None = Field(
-        None, description="text: 1; jsonl: records with text; bin: shards"
+        None,
+        description="text: 1; jsonl: records with text; bin: shards; chat, completion:"
+        " examples uploaded",
+    )
+    report: dict[str, Any] | None = Field(
+        None,
+        description="chat and completion, once ready: examples kept, tokens, target_tokens"
+        " and loss_share (the share of tokens that carry loss), dropped (reason -> examples),"
+        " truncated, and the options (max_len, overlong, train_on_inputs, chat_template)",
     )
     train_tokens: int | None = None
     val_tokens: int | None = None
@@ -216,6 +225,7 @@ def begin_upload(
         "train_tokens": None,
         "val_tokens": None,
         "vocab_size": None,
+        "report": None,
         "created_at": now,
         "updated_at": now,
         "ready_at": None,

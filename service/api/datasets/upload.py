@@ -8,6 +8,12 @@ while it streams and nothing of it stays on disk:
 - ``jsonl``: one JSON object per line with a string ``text`` (blank lines skipped; the
   error names the line); the texts, each ending with a newline, are what is written and
   prepared. A line is at most ``MAX_LINE_BYTES``.
+- ``chat`` / ``completion``: JSON Lines of conversations or prompt/completion pairs, each
+  line checked by ``trainer.sft_lines.check_line`` (unknown role, no assistant turn, empty
+  content, bad weight, malformed JSON, non-UTF-8). Bad lines are gathered, not refused one
+  by one: the upload is refused (422) once ``MAX_PROBLEMS`` are found, or at its end, with
+  each listed by line number. The lines are written as they came (blank ones too), so the
+  preparation's line numbers are the upload's.
 - ``bin``: one or more llm.c shards back to back (``cat train_*.bin val_*.bin``), each
   checked for its magic (20240520), version (1), a token count that the bytes that follow
   hold exactly, and every token id below the stated vocab size.
@@ -25,8 +31,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer.files import make_dirs, set_mode
+from trainer.sft_lines import SFT_FORMATS, LineError, Problems, check_line
 
-__all__ = ["MAX_LINE_BYTES", "Refused", "UploadSink", "make_check"]
+__all__ = ["MAX_LINE_BYTES", "Refused", "SftCheck", "UploadSink", "make_check"]
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
 # trainer.data's shard layout, named here so the API imports numpy only for a bin upload.
@@ -121,6 +128,55 @@ class JsonlCheck:
         return self.documents
 
 
+class SftCheck:
+    """Chat or completion JSON Lines; ``finish`` returns the example count."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self._carry = b""
+        self._line = 0
+        self.examples = 0
+        self.problems = Problems()
+
+    def _record(self, raw: bytes) -> None:
+        self._line += 1
+        try:
+            example = check_line(self.fmt, raw)
+        except LineError as exc:
+            self.problems.add(self._line, exc)
+            if self.problems.full():
+                raise Refused(self.problems.summary()) from None
+            return
+        if example is not None:
+            self.examples += 1
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._carry + chunk
+        lines = data.split(b"\n")
+        self._carry = lines.pop()
+        if len(self._carry) > MAX_LINE_BYTES:
+            raise Refused(
+                f"line {self._line + len(lines) + 1} is longer than {MAX_LINE_BYTES} bytes"
+            )
+        for line in lines:
+            self._record(line)
+        return chunk
+
+    def last(self) -> bytes:
+        tail, self._carry = self._carry, b""
+        if tail:
+            self._record(tail)
+        return b""
+
+    def finish(self) -> int:
+        self.last()
+        if self.problems:
+            raise Refused(self.problems.summary())
+        if self.examples == 0:
+            raise Refused(f"the upload holds no {self.fmt} example: every line is blank")
+        return self.examples
+
+
 class BinCheck:
     """llm.c shards back to back; ``finish`` returns the shard count."""
 
@@ -200,6 +256,8 @@ def make_check(fmt: str, vocab_size: int) -> Check:
         return TextCheck()
     if fmt == "jsonl":
         return JsonlCheck()
+    if fmt in SFT_FORMATS:
+        return SftCheck(fmt)
     return BinCheck(vocab_size)
 
 

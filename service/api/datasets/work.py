@@ -109,7 +109,12 @@ class DatasetWork:
         return self._slots
 
     async def warm(
-        self, row: dict[str, Any], tokenizer: Path | None, vocab_size: int, val_fraction: float
+        self,
+        row: dict[str, Any],
+        tokenizer: Path | None,
+        vocab_size: int,
+        val_fraction: float,
+        options: list[str] | None = None,
     ) -> None:
         """Start the dataset's child now, if a permit is free (``FairSlots.try_take``: no
         one waits for it, and the owner holds less than half of them): its interpreter and
@@ -122,7 +127,7 @@ class DatasetWork:
         slots = self.slots()
         if not slots.try_take(owner, share=max(1, slots.capacity // 2)):
             return
-        argv = [*self._argv(row, tokenizer, vocab_size, val_fraction), "--wait-go"]
+        argv = [*self._argv(row, tokenizer, vocab_size, val_fraction, options), "--wait-go"]
         try:
             proc = await self._spawn(argv, stdin=asyncio.subprocess.PIPE)
         except BaseException:
@@ -147,12 +152,17 @@ class DatasetWork:
         await run_in_threadpool(shutil.rmtree, out, ignore_errors=True)
 
     def start_prepare(
-        self, row: dict[str, Any], tokenizer: Path | None, vocab_size: int, val_fraction: float
+        self,
+        row: dict[str, Any],
+        tokenizer: Path | None,
+        vocab_size: int,
+        val_fraction: float,
+        options: list[str] | None = None,
     ) -> None:
         """Prepare the uploaded dataset ``row`` (now ``preparing``) in the background."""
         self.preparing.add(row["id"])
         self._start_beating()
-        argv = self._argv(row, tokenizer, vocab_size, val_fraction)
+        argv = self._argv(row, tokenizer, vocab_size, val_fraction, options)
         warm = self._warm.pop(row["id"], None)
         proc = warm[0] if warm is not None else None
         task = self._bind().create_task(self._prepare(row["id"], row, argv, proc))
@@ -160,8 +170,14 @@ class DatasetWork:
         task.add_done_callback(self._tasks.discard)
 
     def _argv(
-        self, row: dict[str, Any], tokenizer: Path | None, vocab_size: int, val_fraction: float
+        self,
+        row: dict[str, Any],
+        tokenizer: Path | None,
+        vocab_size: int,
+        val_fraction: float,
+        options: list[str] | None = None,
     ) -> list[str]:
+        """The child's argv; ``options``: chat and completion's (the router's, validated)."""
         upload, out = datasets.work_paths(self.data_root, row["id"])
         argv = [
             sys.executable,
@@ -182,7 +198,7 @@ class DatasetWork:
         ]
         if tokenizer is not None:
             argv += ["--tokenizer", str(tokenizer)]
-        return argv
+        return argv + list(options or ())
 
     async def _spawn(self, argv: list[str], stdin: int) -> asyncio.subprocess.Process:
         env = dict(os.environ)
@@ -274,6 +290,7 @@ class DatasetWork:
             "train_tokens": int(result["train_tokens"]),
             "val_tokens": int(result["val_tokens"]),
             "vocab_size": int(result["vocab_size"]),
+            "report": result.get("sft"),
             "ready_at": utcnow(),
         }
         limit = self.settings.dataset_max_owner_bytes
