@@ -27,6 +27,8 @@ trailing partial character, U+FFFD, is held back until the next token completes 
 from __future__ import annotations
 
 import codecs
+import json
+import re
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,22 +37,27 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.files import read_plain
 from trainer.tokenizer import BYTE, TOKENIZER_FILE, dataset_tokenizer
 
 __all__ = [
     "TOKENIZER_FILE",
     "ByteTokenizer",
     "Completion",
+    "Engine",
     "GenerationStopped",
     "HFTokenizer",
     "KVCache",
+    "Request",
     "Sampling",
     "Tokenizer",
     "complete",
+    "complete_many",
     "context_length",
     "generate_ids",
     "load_tokenizer",
     "sample",
+    "token_text",
 ]
 
 
@@ -82,6 +89,56 @@ class KVCache:
         self.max_len = max_len
         self.pos = 0
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # llama's tables, lazily
+        # Left padding of each row (batched decoding): columns below ``pad[row]`` are not
+        # that row's; its token at column c is at position c - pad[row]. None: no padding.
+        self.pad: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return int(self.k.shape[1])
+
+    def set_pad(self, pad: torch.Tensor) -> None:
+        """Rows' left padding; leading columns no row uses are dropped."""
+        low = int(pad.min()) if pad.numel() else 0
+        if low:
+            self.k, self.v = self.k[:, :, :, low:], self.v[:, :, :, low:]
+            self.pos, self.max_len, pad = self.pos - low, self.max_len - low, pad - low
+        self.pad = pad if bool(pad.any()) else None
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (the others' requests ended)."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        pad = self.pad[rows] if self.pad is not None else None
+        self.set_pad(pad if pad is not None else torch.zeros_like(rows))
+
+    @staticmethod
+    def join(caches: Sequence[KVCache], room: int) -> KVCache:
+        """One cache of the rows of ``caches``, right-aligned at the newest column (each
+        row's tokens keep their positions: its padding grows by the shift), with ``room``
+        free columns after it."""
+        first = caches[0]
+        width = max(c.pos for c in caches)
+        layers, _, heads, _, dim = first.k.shape
+        out = KVCache(
+            layers,
+            sum(c.batch for c in caches),
+            heads,
+            dim,
+            width + room,
+            dtype=first.k.dtype,
+            device=first.k.device,
+        )
+        pads, row = [], 0
+        for c in caches:
+            shift, b = width - c.pos, c.batch
+            out.k[:, row : row + b, :, shift:width] = c.k[:, :, :, : c.pos]
+            out.v[:, row : row + b, :, shift:width] = c.v[:, :, :, : c.pos]
+            own = c.pad if c.pad is not None else torch.zeros(b, dtype=torch.long)
+            pads.append(own.to(first.k.device) + shift)
+            row += b
+        out.pos = width
+        out.set_pad(torch.cat(pads))
+        return out
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -176,6 +233,12 @@ class Sampling:
     seed: int | None = None  # None: drawn (and reported in Completion.seed)
     stop: tuple[str, ...] = ()
     n: int = 1
+    logprobs: int | None = None  # None: no records; k: each token's and its k most likely
+    echo: bool = False  # the prompt's own records (Completion.prompt_logprobs)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    eos: tuple[int, ...] = ()  # ids that end a choice ("stop"; not part of its text)
 
 
 # Below this a temperature is greedy: dividing by it would turn every logit gap into an
@@ -253,10 +316,16 @@ class StreamDecoder(Protocol):
 
 class Tokenizer(Protocol):
     vocab_size: int
+    eos_ids: tuple[int, ...]  # ids that end a sequence (none for bytes)
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None  # the dataset's tokenizer_config.json "chat_template"
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def stream(self) -> StreamDecoder: ...
+    def piece(self, token: int) -> bytes: ...
+    def token_str(self, token: int) -> str: ...
 
 
 class _ByteStream:
@@ -271,11 +340,16 @@ class _ByteStream:
 
 
 class ByteTokenizer:
-    """Byte-level: every UTF-8 byte is a token (trainer.prepare's default)."""
+    """Byte-level: every UTF-8 byte is a token (trainer.prepare's default); no special
+    tokens, so no end-of-sequence id and no chat template of its own."""
 
     vocab_size = 256
+    eos_ids: tuple[int, ...] = ()
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -283,6 +357,12 @@ class ByteTokenizer:
 
     def stream(self) -> StreamDecoder:
         return _ByteStream()
+
+    def piece(self, token: int) -> bytes:
+        return bytes([token]) if 0 <= token < 256 else b""
+
+    def token_str(self, token: int) -> str:
+        return token_text(self.piece(token))
 
 
 class _HFStream:
@@ -311,17 +391,54 @@ class _HFStream:
         return after[len(before) :]
 
 
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece's byte fallback
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(read_plain(path, limit=16 << 20))
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package, with the special
+    tokens and chat template of the ``tokenizer_config.json`` / ``generation_config.json``
+    beside it, when the dataset folder holds them."""
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        spec = _json_file(path)
+        self._added = {
+            int(t["id"]): str(t["content"])
+            for t in spec.get("added_tokens") or ()
+            if isinstance(t, dict) and "id" in t and "content" in t
+        }
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+        self._pieces: dict[int, bytes] = {}
+        config = _json_file(path.parent / "tokenizer_config.json")
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name", "template"}]: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template = template if isinstance(template, str) else None
+        self.eos_ids = _eos_ids(self, config, _json_file(path.parent / "generation_config.json"))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
@@ -329,12 +446,125 @@ class HFTokenizer:
     def stream(self) -> StreamDecoder:
         return _HFStream(self)
 
+    def token_id(self, text: str) -> int | None:
+        found = self._tok.token_to_id(text)
+        return None if found is None else int(found)
+
+    def token_str(self, token: int) -> str:
+        """The vocabulary's own spelling (``Ġthe``, ``▁the``), as ``convert_ids_to_tokens``."""
+        return str(self._tok.id_to_token(token) or "")
+
+    def piece(self, token: int) -> bytes:
+        """The bytes ``token`` stands for on its own."""
+        got = self._pieces.get(token)
+        if got is None:
+            got = self._piece(token)
+            self._pieces[token] = got
+        return got
+
+    def _piece(self, token: int) -> bytes:
+        if token in self._added:
+            return self._added[token].encode()
+        spelled = self._tok.id_to_token(token)
+        if spelled is None:
+            return b""
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(ch in table for ch in spelled):
+                return bytes(table[ch] for ch in spelled)
+        found = _BYTE_PIECE.match(spelled)
+        if found:
+            return bytes([int(found.group(1), 16)])
+        if "\u2581" in spelled:  # sentencepiece's word boundary
+            return spelled.replace("\u2581", " ").encode()
+        return self.decode([token]).encode()
+
+
+_KNOWN_EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<eos>")
+
+
+def _eos_ids(
+    tok: HFTokenizer, config: dict[str, Any], generation: dict[str, Any]
+) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (an id or a list) and
+    tokenizer_config.json's ``eos_token``; with neither, a special token of tokenizer.json
+    with a well-known end-of-text name. (A private reader until trainer.tokenizer has one.)"""
+    found: list[int] = []
+    raw = generation.get("eos_token_id")
+    for value in raw if isinstance(raw, list) else [raw]:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            found.append(value)
+    named = tok.eos_token
+    if named is not None and tok.token_id(named) is not None:
+        found.append(int(tok.token_id(named)))  # type: ignore[arg-type]
+    if not found:
+        special = set(tok._added.values())
+        for name in _KNOWN_EOS:
+            if name in special and tok.token_id(name) is not None:
+                found.append(int(tok.token_id(name)))  # type: ignore[arg-type]
+                break
+    return tuple(dict.fromkeys(found))
+
+
+_UNICODE_TO_BYTE: dict[str, int] = {}
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character each byte is written as."""
+    if not _UNICODE_TO_BYTE:
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        chars, extra = list(printable), 0
+        for b in range(256):
+            if b not in printable:
+                printable.append(b)
+                chars.append(256 + extra)
+                extra += 1
+        _UNICODE_TO_BYTE.update({chr(c): b for b, c in zip(printable, chars, strict=True)})
+    return _UNICODE_TO_BYTE
+
 
 def load_tokenizer(dataset_dir: Path) -> Tokenizer:
     """The tokenizer a dataset was prepared with (``trainer.tokenizer.dataset_tokenizer``:
     its ``tokenizer.json``, else bytes); TokenizerError (a ValueError) when it is gone."""
     found = dataset_tokenizer(dataset_dir)
     return ByteTokenizer() if found == BYTE else HFTokenizer(Path(found))
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text as OpenAI writes it: its own text when its bytes are UTF-8 alone,
+    else ``bytes:\\xNN...``."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _record(
+    tok: Tokenizer, token: int, logprob: float, top: list[tuple[int, float]], offset: int | None
+) -> dict[str, Any]:
+    """A token's log-probability record (worker.genmessage's docstring)."""
+    raw = tok.piece(token)
+    rec: dict[str, Any] = {"id": token, "token": token_text(raw), "bytes": list(raw),
+                           "logprob": logprob}  # fmt: skip
+    if offset is not None:
+        rec["offset"] = offset
+        rec["top"] = [_record(tok, t, lp, [], None) for t, lp in top]
+    return rec
+
+
+def _logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """log_softmax of raw ``logits`` ``[R, V]`` in float32: of ``chosen`` ``[R]``, and the
+    ``k`` most likely per row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    own = lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    if k <= 0:
+        return own, [[] for _ in own]
+    values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    pairs = zip(ids.tolist(), values.tolist(), strict=True)
+    tops = [list(zip(i, v, strict=True)) for i, v in pairs]
+    return own, tops
 
 
 # ----------------------------------------------------------------------------- completion
@@ -346,6 +576,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -353,6 +584,8 @@ class Completion:
     choices: list[Choice]
     prompt_tokens: int
     seed: int | None
+    prompt_text: str = ""
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -367,6 +600,7 @@ class _Text:
         self.decoder = decoder
         self.stop = stop
         self.held = ""
+        self.chars = 0  # characters decoded so far (the next token's offset)
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string ended the sequence)."""
@@ -384,6 +618,350 @@ class _Text:
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
+    def finish(self) -> tuple[str, bool]:
+        """The text still held at the end (a partial character, a stop string's start)."""
+        text, stopped = self.feed(self.decoder.flush())
+        return (text, True) if stopped else (text + self.held, False)
+
+
+Delta = tuple[int, str, list[int], list[dict[str, Any]] | None]
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation as the ``Engine`` decodes it beside others. ``on_delta``
+    gets, per step, ``(index, text, token_ids, records)`` of its choices that produced any
+    (records None without ``logprobs``); ``check(tokens_so_far)`` runs before each step and
+    may raise GenerationStopped (a deadline, a cancel), which ends this request alone."""
+
+    prompt: Sequence[int]
+    params: Sampling
+    on_delta: Callable[[list[Delta]], None] | None = None
+    check: Callable[[int], None] | None = None
+    result: Completion | None = None
+    error: BaseException | None = None
+    batch: int = 0  # requests decoding together: when it joined, then the most while it ran
+
+
+class _Live:
+    """A request being decoded: its rows of the batch and its own sampling state."""
+
+    def __init__(self, req: Request, tok: Tokenizer, vocab: int, limit: int, device: Any):
+        p = req.params
+        self.req, self.n = req, p.n
+        self.steps = min(p.max_tokens, limit - len(req.prompt) + 1)
+        self.done = 0
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        self.gen: torch.Generator | None = None
+        if p.temperature >= GREEDY_BELOW:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(seed)
+        self.choices = [Choice(i, logprobs=[] if p.logprobs is not None else None)
+                        for i in range(p.n)]  # fmt: skip
+        self.texts = [_Text(tok.stream(), p.stop) for _ in self.choices]
+        self.eos = set(p.eos)
+        self.counts = (
+            torch.zeros(p.n, vocab, device=device)
+            if p.presence_penalty or p.frequency_penalty
+            else None
+        )
+        bias = [(t, b) for t, b in p.logit_bias if 0 <= t < vocab]
+        self.bias = (
+            (torch.tensor([t for t, _ in bias], device=device),
+             torch.tensor([b for _, b in bias], device=device))
+            if bias else None
+        )  # fmt: skip
+        prompt_text = tok.decode(req.prompt)
+        self.shift = len(prompt_text) if p.echo else 0  # with echo, offsets in prompt + text
+        req.result = Completion(self.choices, len(req.prompt),
+                                seed if self.gen is not None else None,
+                                prompt_text=prompt_text)  # fmt: skip
+
+    def adjusted(self, raw: torch.Tensor) -> torch.Tensor:
+        """Logits to sample from: raw, less the penalties, plus the biases (float32)."""
+        p = self.req.params
+        logits = raw.float()
+        if self.counts is not None:
+            logits = logits - self.counts * p.frequency_penalty
+            logits = logits - (self.counts > 0).float() * p.presence_penalty
+        if self.bias is not None:
+            logits = logits.index_add(1, self.bias[0], self.bias[1].expand(logits.shape[0], -1))
+        return logits
+
+
+class Engine:
+    """Decodes several requests to one model together, one forward per step for all.
+
+    Rows (each request's ``n`` choices) share one KV cache, left-padded: requests join
+    (``add``) with their prompts' prefill, right-aligned at the batch's newest column, so
+    each row keeps its own positions; a request that ends leaves the batch and its rows
+    are dropped from the cache. Each request samples its own rows with its own parameters,
+    generator, penalties and stop strings, so its result is what it would be alone (greedy:
+    the same tokens; log-probabilities within float error). The ``hf`` family decodes
+    through transformers' cache with an attention mask and position ids; requests join it
+    only while it is empty (static batching).
+    """
+
+    def __init__(self, model: Any, tokenizer: Tokenizer) -> None:
+        self.model, self.tok = model, tokenizer
+        self.hf = hasattr(model, "inner")
+        self.device = next(model.parameters()).device
+        self.limit = context_length(model)
+        self.live: list[_Live] = []
+        self.cache: Any = None
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next token
+        self.mask: torch.Tensor | None = None  # hf: [rows, columns], 1 where a row has a token
+        self.last_pos: torch.Tensor | None = None  # hf: each row's newest position
+        self.padded = False  # hf: the mask is needed
+        self._args: set[str] | None = None  # hf: the names its forward takes
+
+    @property
+    def can_join(self) -> bool:
+        return not self.hf or not self.live
+
+    @property
+    def rows(self) -> int:
+        return sum(live.n for live in self.live)
+
+    def check(self, req: Request) -> None:
+        """ValueError when ``req`` cannot be decoded (the worker checks first, as a 422)."""
+        if not req.prompt:
+            raise ValueError("the prompt is empty")
+        if len(req.prompt) > self.limit:
+            raise ValueError(f"the prompt is {len(req.prompt)} tokens; the context is {self.limit}")
+
+    @torch.no_grad()
+    def add(self, reqs: Sequence[Request]) -> list[Request]:
+        """Prefill ``reqs`` and join them to the batch; those already finished (``echo``
+        with ``max_tokens`` 0) are returned."""
+        if not reqs:
+            return []
+        if not self.can_join:
+            raise RuntimeError("this model's batch takes requests only when it is empty")
+        for req in reqs:
+            self.check(req)
+        logits, pending = self._prefill(reqs)  # [rows, T, vocab]
+        width, vocab = logits.shape[1], logits.shape[-1]
+        new: list[_Live] = []
+        keep: list[int] = []
+        ended: list[Request] = []
+        row = 0
+        for req in reqs:
+            live = _Live(req, self.tok, vocab, self.limit, self.device)
+            if req.params.echo:
+                self._echo(live, logits[row, width - len(req.prompt) : width - 1])
+            if live.steps <= 0:
+                self._close(live)
+                ended.append(req)
+            else:
+                new.append(live)
+                keep.extend(range(row, row + live.n))
+            row += live.n
+        if not keep:
+            return ended
+        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        last = logits[rows, -1]
+        self.logits = last if self.logits is None else torch.cat([self.logits, last])
+        self.live.extend(new)
+        if self.hf:
+            self._keep_hf(rows)
+        else:
+            if len(keep) < pending.batch:
+                pending.select(rows)
+            parts = [pending] if self.cache is None else [self.cache, pending]
+            room = max(live.steps - live.done for live in self.live)
+            self.cache = KVCache.join(parts, room)
+        for live in self.live:
+            live.req.batch = max(live.req.batch, len(self.live))
+        return ended
+
+    def _prefill(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, Any]:
+        width = max(len(r.prompt) for r in reqs)
+        ids, pads = [], []
+        for r in reqs:
+            for _ in range(r.params.n):
+                pads.append(width - len(r.prompt))
+                ids.append([0] * pads[-1] + list(r.prompt))
+        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pad = torch.tensor(pads, dtype=torch.long, device=self.device)
+        if self.hf:
+            from transformers import DynamicCache
+
+            cols = torch.arange(width, device=self.device)
+            self.mask = (cols[None, :] >= pad[:, None]).long()
+            positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+            self.last_pos = positions[:, -1]
+            self.cache, self.padded = DynamicCache(), bool(pad.any())
+            # Only the last position's logits unless a prompt's own are asked for: a large
+            # vocabulary times every prompt position is gigabytes.
+            last = not any(r.params.echo for r in reqs)
+            return self._hf_forward(x, positions, last), None
+        cfg = self.model.cfg
+        param = next(self.model.parameters())
+        pending = KVCache(
+            cfg.n_layer, x.shape[0], getattr(cfg, "kv_heads", cfg.n_head),
+            cfg.d_model // cfg.n_head, width, dtype=param.dtype, device=param.device,
+        )  # fmt: skip
+        pending.set_pad(pad)
+        return self.model.forward_cached(x, pending), pending
+
+    def _hf_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, last: bool = False
+    ) -> torch.Tensor:
+        inner = self.model.inner
+        if self._args is None:
+            self._args = _forward_args(inner)
+        args = self._args
+        name = "cache" if "cache" in args else "past_key_values"
+        extra: dict[str, Any] = (
+            {"attention_mask": self.mask, "position_ids": positions} if self.padded else {}
+        )
+        if last and "logits_to_keep" in args:
+            extra["logits_to_keep"] = 1
+        out = inner(input_ids=ids, use_cache=True, **{name: self.cache}, **extra)
+        self.cache = getattr(out, name)
+        logits: torch.Tensor = out.logits
+        return logits
+
+    def _keep_hf(self, rows: torch.Tensor) -> None:
+        assert self.mask is not None and self.last_pos is not None
+        if rows.numel() == self.mask.shape[0]:
+            return
+        self.cache.batch_select_indices(rows)
+        self.mask, self.last_pos = self.mask[rows], self.last_pos[rows]
+
+    def _echo(self, live: _Live, logits: torch.Tensor) -> None:
+        """The prompt's own records from its prefill logits (``[len - 1, vocab]``: position
+        i predicts token i + 1); the first is None."""
+        prompt = list(live.req.prompt)
+        k = live.req.params.logprobs or 0
+        own, tops = _logprobs(logits, torch.tensor(prompt[1:], device=logits.device), k)
+        dec, offsets, chars = self.tok.stream(), [], 0
+        for token in prompt:
+            offsets.append(chars)
+            chars += len(dec.push(token))
+        records: list[dict[str, Any] | None] = [None]
+        for i, token in enumerate(prompt[1:], start=1):
+            records.append(_record(self.tok, token, own[i - 1], tops[i - 1], offsets[i]))
+        assert live.req.result is not None
+        live.req.result.prompt_logprobs = records
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One token for every live request; those that ended are returned (their
+        ``result`` complete, or ``error`` set)."""
+        assert self.logits is not None
+        tokens: list[torch.Tensor] = []
+        ended: list[_Live] = []
+        keep: list[int] = []
+        row = 0
+        for live in self.live:
+            raw = self.logits[row : row + live.n]
+            try:
+                if live.req.check is not None:
+                    live.req.check(live.done)
+                token = self._advance(live, raw)
+            except GenerationStopped as exc:
+                live.req.error = exc
+                token = None
+            if (
+                token is None
+                or live.done >= live.steps
+                or all(c.finish_reason is not None for c in live.choices)
+            ):
+                if live.req.error is None:
+                    self._close(live)
+                ended.append(live)
+            else:
+                tokens.append(token)
+                keep.extend(range(row, row + live.n))
+            row += live.n
+        self.live = [live for live in self.live if live not in ended]
+        if not self.live:
+            self.logits, self.cache = None, None
+            return [live.req for live in ended]
+        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        last = torch.cat(tokens)[:, None]
+        if ended:
+            if self.hf:
+                self._keep_hf(rows)
+            else:
+                self.cache.select(rows)
+        if self.hf:
+            assert self.mask is not None and self.last_pos is not None
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(keep), 1)], dim=1)
+            self.last_pos = self.last_pos + 1
+            self.logits = self._hf_forward(last, self.last_pos[:, None])[:, -1]
+        else:
+            self.logits = self.model.forward_cached(last, self.cache)[:, -1]
+        return [live.req for live in ended]
+
+    def _advance(self, live: _Live, raw: torch.Tensor) -> torch.Tensor:
+        """Sample ``live``'s next tokens from its rows' logits and take them in."""
+        p = live.req.params
+        token = sample(live.adjusted(raw), p, live.gen)
+        values = token.tolist()
+        own: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        if p.logprobs is not None:
+            own, tops = _logprobs(raw, token, p.logprobs)
+        if live.counts is not None:
+            live.counts[torch.arange(live.n, device=token.device), token] += 1
+        deltas: list[Delta] = []
+        for i, (c, t, tok_id) in enumerate(zip(live.choices, live.texts, values, strict=True)):
+            if c.finish_reason is not None:
+                continue
+            if tok_id in live.eos:
+                text, _ = t.finish()
+                c.finish_reason = "stop"
+                c.text += text
+                deltas.append((c.index, text, [], [] if c.logprobs is not None else None))
+                continue
+            c.token_ids.append(tok_id)
+            recs = None
+            if c.logprobs is not None:
+                recs = [_record(self.tok, tok_id, own[i], tops[i], live.shift + t.chars)]
+                c.logprobs.extend(recs)
+            piece = t.decoder.push(tok_id)
+            t.chars += len(piece)
+            text, stopped = t.feed(piece)
+            if stopped:
+                c.finish_reason = "stop"
+            c.text += text
+            deltas.append((c.index, text, [tok_id], recs))
+        live.done += 1
+        if live.req.on_delta is not None and deltas:
+            live.req.on_delta(deltas)
+        return token
+
+    def _close(self, live: _Live) -> None:
+        """A request's end: choices still open end at ``length``, their held text out."""
+        tail: list[Delta] = []
+        for c, t in zip(live.choices, live.texts, strict=True):
+            if c.finish_reason is None:
+                text, stopped = t.finish()
+                c.finish_reason = "stop" if stopped else "length"
+                if text:
+                    c.text += text
+                    tail.append((c.index, text, [], [] if c.logprobs is not None else None))
+        if live.req.on_delta is not None and tail:
+            live.req.on_delta(tail)
+
+    def run(self) -> list[Request]:
+        """Decode until every live request ended."""
+        ended: list[Request] = []
+        while self.live:
+            ended.extend(self.step())
+        return ended
+
+
+def complete_many(model: Any, tokenizer: Tokenizer, reqs: Sequence[Request]) -> list[Request]:
+    """Decode ``reqs`` together (``Engine``); each ends with ``result`` or ``error``."""
+    engine = Engine(model, tokenizer)
+    engine.add(reqs)
+    engine.run()
+    return list(reqs)
+
 
 def complete(
     model: Any,
@@ -391,47 +969,15 @@ def complete(
     prompt: Sequence[int],
     params: Sampling,
     *,
-    use_cache: bool = True,
-    on_delta: Callable[[list[tuple[int, str, list[int]]]], None] | None = None,
+    on_delta: Callable[[list[Delta]], None] | None = None,
     check: Callable[[int], None] | None = None,
 ) -> Completion:
-    """Generate ``params.n`` completions of ``prompt``. ``on_delta`` gets, per step, the new
-    ``(index, text, token_ids)`` of the sequences that produced any; ``check(tokens_so_far)``
-    runs before each step and may raise GenerationStopped (a deadline)."""
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    choices = [Choice(i) for i in range(params.n)]
-    texts = [_Text(tokenizer.stream(), params.stop) for _ in choices]
-    produced = 0
-    for tokens in generate_ids(model, prompt, params, use_cache=use_cache, seed=seed):
-        if check is not None:
-            check(produced)
-        deltas = []
-        for c, t, token in zip(choices, texts, tokens.tolist(), strict=True):
-            if c.finish_reason is not None:
-                continue
-            c.token_ids.append(token)
-            text, stopped = t.feed(t.decoder.push(token))
-            if stopped:
-                c.finish_reason = "stop"
-            c.text += text
-            if text or stopped or on_delta is not None:
-                deltas.append((c.index, text, [token]))
-        produced += 1
-        if on_delta is not None and deltas:
-            on_delta(deltas)
-        if all(c.finish_reason is not None for c in choices):
-            break
-    tail: list[tuple[int, str, list[int]]] = []
-    for c, t in zip(choices, texts, strict=True):
-        if c.finish_reason is None:
-            c.finish_reason = "length"
-            text, stopped = t.feed(t.decoder.flush())
-            text += "" if stopped else t.held
-            if stopped:
-                c.finish_reason = "stop"
-            if text:
-                c.text += text
-                tail.append((c.index, text, []))
-    if on_delta is not None and tail:
-        on_delta(tail)
-    return Completion(choices, len(prompt), seed if params.temperature >= GREEDY_BELOW else None)
+    """Generate ``params.n`` completions of ``prompt``: a ``Request`` decoded alone."""
+    req = Request(prompt, params, on_delta, check)
+    engine = Engine(model, tokenizer)
+    engine.add([req])
+    engine.run()
+    if req.error is not None:
+        raise req.error
+    assert req.result is not None
+    return req.result

@@ -15,11 +15,15 @@ are the ``hf`` extra (``pip install 'trainq[hf]'``).
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import os
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -29,6 +33,7 @@ from trainer.config import (
     ConfigError,
     InitConfig,
     LlamaConfig,
+    LoraConfig,
     TrainConfig,
     require_no_links,
     resolve_data_path,
@@ -37,6 +42,7 @@ from trainer.files import FILE_MODE, make_dirs, set_mode
 from trainer.hf_io import (
     CONFIG_FILE,
     EXTRA,
+    INDEX,
     MODEL_TYPE,
     WEIGHTS,
     config_problems,
@@ -46,15 +52,18 @@ from trainer.hf_io import (
     hf_problems,
     listed,
     meta_shapes,
+    pairs,
     read_json,
     shape_problems,
     to_hf_state_dict,
     weight_files,
 )
+from trainer.lora import LoRALinear, drop_lora
+from trainer.models import vocab_size
 from trainer.restore import ATOL, ExportError, checkpoint_config, load_model
-from trainer.tokenizer import TOKENIZER_FILE
+from trainer.tokenizer import BYTE, TOKENIZER_FILE, Special, special_tokens
 
-__all__ = ["check_init", "load_init", "write_hf"]
+__all__ = ["byte_level_tokenizer", "check_init", "load_init", "write_hf", "write_peft"]
 
 
 # -- init sources --------------------------------------------------------------------------
@@ -234,98 +243,434 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-# What --format hf writes of a dataset's tokenizer: the file itself and the config that has
-# AutoTokenizer load it as a PreTrainedTokenizerFast (no model-specific tokenizer class).
+def _write_json(path: Path, value: Any) -> None:
+    _write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+# What an export writes of the run's tokenizer: the file itself, the config that has
+# AutoTokenizer load it as a PreTrainedTokenizerFast (no model-specific tokenizer class) with
+# its special tokens, and the generation settings that make ``generate`` stop at its eos.
 TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
 _TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG)
-_TOKENIZER_SAMPLE = "The quick brown fox jumps over the lazy dog.\n  Ünïcödé 0123 <|x|>\n"
+# Checked on load-back: ASCII, accents, CJK, an emoji (4 UTF-8 bytes), tabs, runs of spaces.
+TOKENIZER_SAMPLE = "The quick brown fox.\n  Ünïcödé héllo wörld 你好 🎉\n\t  spaces <|x|> 0123\n"
+
+# What an export of a native model or an adapter may find in its folder from an earlier one.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+_OURS = {
+    CONFIG_FILE,
+    WEIGHTS,
+    INDEX,
+    GENERATION_CONFIG,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    *_TOKENIZER_FILES,
+}
+
+Tokenizer = Path | Literal["byte"] | None  # a tokenizer.json, byte-level, or none known
 
 
-def _write_tokenizer(folder: Path, tokenizer: Path | None, seq_len: int) -> str | None:
-    """``tokenizer.json`` (a copy) and ``tokenizer_config.json``, or neither (an earlier
-    export's would otherwise claim this model); the tokenizer's text."""
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 byte values to printable characters (tokenizers' ByteLevel)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def byte_level_tokenizer() -> str:
+    """The tokenizer.json of trainq's byte-level datasets: 256 tokens, id == byte value, no
+    merges, no unk, no normalizer and no prefix space, so any UTF-8 text encodes to its bytes
+    and decodes back exactly (a BPE model without merges over tokenizers' ByteLevel maps)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return str(tok.to_str())
+
+
+@dataclass(frozen=True)
+class _Tok:
+    """What an export writes of a tokenizer: its tokenizer.json and its special tokens."""
+
+    text: str
+    specials: dict[str, Special]
+    byte: bool
+
+
+def _read_tokenizer(tokenizer: Tokenizer) -> _Tok | None:
     if tokenizer is None:
+        return None
+    if tokenizer == BYTE:
+        return _Tok(byte_level_tokenizer(), {}, True)
+    path = Path(tokenizer)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read the dataset's tokenizer {path}: {exc}") from None
+    return _Tok(text, special_tokens(path), False)
+
+
+def _token_ids(specials: dict[str, Special]) -> dict[str, int | None]:
+    """config.json's and generation_config.json's ids; pad falls back to eos."""
+    ids: dict[str, int | None] = {f"{r}_token_id": s.id for r, s in specials.items()}
+    eos = ids.get("eos_token_id")
+    return {
+        "bos_token_id": None,
+        "eos_token_id": None,
+        **ids,
+        "pad_token_id": ids.get("pad_token_id", eos),
+    }
+
+
+def _write_tokenizer(folder: Path, tok: _Tok | None, seq_len: int) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (with bos/eos/pad), and
+    ``generation_config.json`` when it has special tokens; or none of them (an earlier
+    export's would otherwise claim this model)."""
+    if tok is None:
         for name in _TOKENIZER_FILES:
             (folder / name).unlink(missing_ok=True)
-        return None
-    try:
-        text = tokenizer.read_text(encoding="utf-8")
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot read the dataset's tokenizer {tokenizer}: {exc}") from None
-    _write_text(folder / TOKENIZER_FILE, text)
-    settings = {
+        return
+    _write_text(folder / TOKENIZER_FILE, tok.text)
+    settings: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": seq_len,
         "clean_up_tokenization_spaces": False,
+        **{f"{role}_token": s.content for role, s in tok.specials.items()},
     }
-    _write_text(folder / TOKENIZER_CONFIG, json.dumps(settings, indent=2) + "\n")
-    return text
+    if tok.byte:
+        # Byte-level data has no end-of-text token. Tools that need one special token (lm-eval's
+        # hf backend takes bos or eos as its loglikelihood prefix, and asserts without one)
+        # get NUL, byte 0 (id 0, written as the vocabulary spells it), which text never holds;
+        # config.json and generation_config.json declare no eos, so generate does not stop at
+        # it, as trainq's own generation does not.
+        settings["eos_token"] = _bytes_to_unicode()[0]
+    _write_json(folder / TOKENIZER_CONFIG, settings)
 
 
-def _check_tokenizer(transformers: Any, folder: Path, text: str) -> None:
-    """AutoTokenizer loads the exported tokenizer and encodes as the dataset's did."""
+def _set_ids(fields: dict[str, Any], tok: _Tok) -> None:
+    for key, value in _token_ids(tok.specials).items():
+        if value is None:
+            fields.pop(key, None)
+        else:
+            fields[key] = value
+
+
+def _own_config_ids(folder: Path, tok: _Tok | None) -> None:
+    """Family hf: config.json's token ids are the run's tokenizer's, not the original
+    model's (whose ids may not even be in this vocabulary)."""
+    if tok is None:
+        return
+    path = folder / CONFIG_FILE
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    _set_ids(fields, tok)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        fields.setdefault(key, None)
+    _write_json(path, fields)
+
+
+def _write_generation_config(folder: Path, tok: _Tok | None) -> None:
+    """generation_config.json with the tokenizer's bos/eos/pad ids (those it lacks removed:
+    a byte-level run has none), over what is there (family hf: what its save_pretrained
+    wrote, kept as it is when the tokenizer is not known); removed when nothing is left."""
+    path = folder / GENERATION_CONFIG
+    try:
+        current = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        current = {}
+    current = current if isinstance(current, dict) else {}
+    if tok is not None:
+        _set_ids(current, tok)
+        current.pop("_from_model_config", None)  # else generate re-derives it from config.json
+    if not set(current) - {"transformers_version", "_from_model_config"}:
+        path.unlink(missing_ok=True)
+        return
+    _write_json(path, current)
+
+
+def _check_tokenizer(transformers: Any, folder: Path, tok: _Tok) -> None:
+    """AutoTokenizer loads the exported tokenizer, encodes as the dataset's did (byte-level:
+    the UTF-8 bytes), decodes a byte-level encoding back exactly, and has its special tokens."""
     from tokenizers import Tokenizer
 
-    expected = Tokenizer.from_str(text).encode(_TOKENIZER_SAMPLE, add_special_tokens=False).ids
+    if tok.byte:
+        expected = list(TOKENIZER_SAMPLE.encode("utf-8"))
+    else:
+        expected = (
+            Tokenizer.from_str(tok.text).encode(TOKENIZER_SAMPLE, add_special_tokens=False).ids
+        )
     try:
         loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        got = loaded(_TOKENIZER_SAMPLE, add_special_tokens=False)["input_ids"]
+        got = loaded(TOKENIZER_SAMPLE, add_special_tokens=False)["input_ids"]
+        back = loaded.decode(got)
     except Exception as exc:  # whatever transformers raises for a file it cannot take
         raise ExportError(f"{folder}: AutoTokenizer cannot load the tokenizer: {exc}") from exc
     if list(got) != list(expected):
         raise ExportError(f"{folder}: AutoTokenizer encodes otherwise than the dataset's tokenizer")
+    if tok.byte and back != TOKENIZER_SAMPLE:
+        raise ExportError(f"{folder}: the byte-level tokenizer does not decode its text back")
+    for role, s in tok.specials.items():
+        if getattr(loaded, f"{role}_token_id", None) != s.id:
+            raise ExportError(f"{folder}: AutoTokenizer does not take {s.content!r} as {role}")
 
 
-@torch.no_grad()
-def write_hf(
-    model: Any, folder: Path, *, atol: float = ATOL, tokenizer: Path | None = None
-) -> float:
-    """Write ``folder`` (config.json, model.safetensors, and with ``tokenizer``, the
-    dataset's tokenizer.json, that copied, and a tokenizer_config.json; files 0640, folders
-    0750), load it back with ``transformers.AutoModelForCausalLM`` and compare its logits with
-    the model's on a fixed batch: the largest absolute difference, ExportError past ``atol``.
-    The tokenizer is loaded back with ``AutoTokenizer`` and must encode a sample alike."""
+def _clear(folder: Path) -> None:
+    """Make ``folder`` (0750), refusing one that holds more than an earlier export."""
+
+    def ours(name: str) -> bool:
+        return name in _OURS or _SHARD.fullmatch(name) is not None
+
+    if folder.exists() and (not folder.is_dir() or not all(ours(p.name) for p in folder.iterdir())):
+        raise ExportError(f"{folder} holds more than a previous export; pick a new --out")
+    make_dirs(folder)
+    for p in folder.iterdir():  # a model of another layout (sharded, an adapter) goes
+        if p.name not in _TOKENIZER_FILES:
+            p.unlink()
+
+
+def _transformers() -> tuple[Any, Any]:
     try:
         import transformers
         from safetensors.torch import save_file
     except ImportError:
         raise ExportError(f"format hf needs transformers and safetensors: {EXTRA}") from None
-    cfg = model.cfg
+    return transformers, save_file
+
+
+def _native_config(transformers: Any, cfg: AnyModelConfig, tok: _Tok | None) -> Any:
+    """transformers' config of a native model, with the tokenizer's token ids."""
     try:
         fields = dict(hf_config(cfg))
     except ConfigError as exc:
         raise ExportError(str(exc)) from exc
-    ours = {CONFIG_FILE, WEIGHTS, *_TOKENIZER_FILES}
-    if folder.exists() and (not folder.is_dir() or {p.name for p in folder.iterdir()} - ours):
-        raise ExportError(f"{folder} holds more than a previous export; pick a new --out")
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    make_dirs(folder)
-    _write_text(folder / CONFIG_FILE, config.to_json_string())
-    save_file(to_hf_state_dict(model), str(folder / WEIGHTS), metadata={"format": "pt"})
-    os.chmod(folder / WEIGHTS, FILE_MODE)
-    tokenizer_text = _write_tokenizer(folder, tokenizer, cfg.seq_len)
+    if tok is not None:
+        fields.update(_token_ids(tok.specials))
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _quiet_load(transformers: Any, load: Any) -> Any:
+    """``load()`` without transformers' progress bars on the export's stderr."""
     bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # a bar per load on the export's stderr
+    transformers.utils.logging.disable_progress_bar()
     try:
-        auto = transformers.AutoModelForCausalLM
-        loaded = auto.from_pretrained(folder, local_files_only=True).float().eval()
-        if tokenizer_text is not None:
-            _check_tokenizer(transformers, folder, tokenizer_text)
+        return load()
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
-    tokens = torch.randint(
-        0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0)
+
+
+def _sample(cfg: AnyModelConfig) -> torch.Tensor:
+    return torch.randint(
+        0, vocab_size(cfg), (2, cfg.seq_len), generator=torch.Generator().manual_seed(0)
     )
+
+
+def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     was_training = model.training
     model.eval()
-    expected = model(tokens)
-    model.train(was_training)
-    got = loaded(input_ids=tokens, use_cache=False).logits
-    diff = float((got - expected).abs().max())
+    try:
+        return model(tokens)
+    finally:
+        model.train(was_training)
+
+
+def _chmod_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, FILE_MODE)
+
+
+@torch.no_grad()
+def write_hf(model: Any, folder: Path, *, atol: float = ATOL, tokenizer: Tokenizer = None) -> float:
+    """Write ``folder`` (files 0640, folders 0750): config.json and model.safetensors (the
+    native families through trainer.hf_io's map; family ``hf`` with the model's own
+    ``save_pretrained``), and with ``tokenizer`` (a tokenizer.json, or ``"byte"`` for
+    trainq's byte-level one) tokenizer.json, tokenizer_config.json and, when it has an eos,
+    generation_config.json. It is loaded back with ``transformers.AutoModelForCausalLM`` and
+    its logits compared with the model's on a fixed batch: the largest absolute difference,
+    ExportError past ``atol``. The tokenizer is loaded back with ``AutoTokenizer`` and must
+    encode a multilingual sample alike (byte-level: to its bytes, and back exactly)."""
+    transformers, save_file = _transformers()
+    cfg = model.cfg
+    tok = _read_tokenizer(tokenizer)
+    config = None if cfg.family == "hf" else _native_config(transformers, cfg, tok)
+    _clear(folder)
+    if config is None:
+        model.inner.save_pretrained(folder)
+        _own_config_ids(folder, tok)
+    else:
+        _write_text(folder / CONFIG_FILE, config.to_json_string())
+        save_file(to_hf_state_dict(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    _write_tokenizer(folder, tok, cfg.seq_len)
+    _write_generation_config(folder, tok)
+    _chmod_tree(folder)
+
+    def load() -> Any:
+        auto = transformers.AutoModelForCausalLM
+        loaded = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        if tok is not None:
+            _check_tokenizer(transformers, folder, tok)
+        return loaded.eval()
+
+    loaded = _quiet_load(transformers, load)
+    tokens = _sample(cfg)
+    diff = float(
+        (loaded(input_ids=tokens, use_cache=False).logits - _logits(model, tokens)).abs().max()
+    )
     if not diff <= atol:
         raise ExportError(
             f"{folder}: transformers' {type(loaded).__name__} gives logits {diff:.2e} away from "
             f"the model's (> {atol:g})"
+        )
+    return diff
+
+
+# -- PEFT adapters -------------------------------------------------------------------------
+
+
+def _module_names(model: Any) -> dict[str, tuple[str, bool]]:
+    """Our module name -> (transformers' module name, whether its weight is stored
+    transposed: GPT-2's Conv1D, PEFT's ``fan_in_fan_out``), for every linear of the model."""
+    if model.cfg.family == "hf":
+        return {
+            name: (name.removeprefix("inner."), False)
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.startswith("inner.")
+        }
+    try:
+        mapped = pairs(model.cfg)
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from exc
+    return {
+        p.ours.removesuffix(".weight"): (p.hf.removesuffix(".weight"), p.transpose)
+        for p in mapped
+        if p.ours.endswith(".weight")
+    }
+
+
+def _target_modules(adapted: list[str], base_names: list[str]) -> list[str]:
+    """PEFT's ``target_modules``: the adapted modules' last names when they pick exactly the
+    adapted ones in the base, else their full names."""
+    short = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    picked = {n for n in base_names if n.rsplit(".", 1)[-1] in short}
+    return short if picked == set(adapted) else sorted(adapted)
+
+
+def _hf_base(transformers: Any, model: Any) -> Any:
+    """The model without its adapters as a transformers model (what a PEFT adapter of it is
+    loaded on), built in memory; ``model`` is left as it was."""
+    base = copy.deepcopy(model)
+    drop_lora(base)
+    if base.cfg.family == "hf":
+        return base.inner.eval()
+    config = _native_config(transformers, base.cfg, None)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing = hf.load_state_dict(to_hf_state_dict(base), strict=False).missing_keys
+    if [k for k in missing if k != "lm_head.weight"]:
+        raise ExportError(f"the base model lacks {listed(missing)} in transformers' layout")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def peft_config(model: Any, lora: LoraConfig, base_name: str | None) -> dict[str, Any]:
+    """adapter_config.json of the model's adapters (PEFT's LoraConfig fields)."""
+    names = _module_names(model)
+    adapted = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    unknown = [n for n in adapted if n not in names]
+    if unknown:
+        raise ExportError(f"adapted layers without a transformers name: {listed(unknown)}")
+    hf_adapted = [names[n][0] for n in adapted]
+    base_names = [hf for hf, _ in names.values()]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name,
+        "r": lora.rank,
+        "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": _target_modules(hf_adapted, base_names),
+        "fan_in_fan_out": any(names[n][1] for n in adapted),
+        "bias": "none",
+        "use_rslora": False,  # scaling = lora_alpha / r, as trainer.lora scales
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def peft_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's names: ``base_model.model.<module>.lora_A.weight`` ([r,
+    in]: our lora_a) and ``lora_B.weight`` ([out, r]: our lora_b), whatever the layout of
+    the base weight (PEFT's lora_A/lora_B are nn.Linear even on GPT-2's Conv1D)."""
+    names = _module_names(model)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            hf = names[name][0]
+            for ours, theirs in ((m.lora_a, "lora_A"), (m.lora_b, "lora_B")):
+                key = f"base_model.model.{hf}.{theirs}.weight"
+                out[key] = ours.detach().to("cpu").contiguous().clone()
+    return out
+
+
+@torch.no_grad()
+def write_peft(
+    model: Any,
+    folder: Path,
+    lora: LoraConfig,
+    *,
+    base_name: str | None = None,
+    atol: float = ATOL,
+    tokenizer: Tokenizer = None,
+) -> float:
+    """Write ``folder`` as PEFT writes a LoRA adapter: adapter_config.json and
+    adapter_model.safetensors (``model`` with its adapters, not merged), and the run's
+    tokenizer as `write_hf` does. When peft is installed, the folder is loaded back with
+    ``PeftModel.from_pretrained`` on the base (the model without its adapters, in
+    transformers' layout) and its logits compared with the model's: the largest absolute
+    difference, ExportError past ``atol``; NaN when peft is not there to check."""
+    transformers, save_file = _transformers()
+    if not any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ExportError("format peft is for LoRA runs: this checkpoint has no adapters")
+    cfg = model.cfg
+    tok = _read_tokenizer(tokenizer)
+    settings = peft_config(model, lora, base_name)
+    tensors = peft_state_dict(model)
+    _clear(folder)
+    _write_json(folder / ADAPTER_CONFIG, settings)
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    _write_tokenizer(folder, tok, cfg.seq_len)
+    _chmod_tree(folder)
+    if tok is not None:
+        _quiet_load(transformers, lambda: _check_tokenizer(transformers, folder, tok))
+    if importlib.util.find_spec("peft") is None:
+        return float("nan")  # written, not checked
+    from peft import PeftModel
+
+    base = _hf_base(transformers, model)
+    try:
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            adapted = PeftModel.from_pretrained(base, folder, is_trainable=False).eval()
+    except Exception as exc:  # whatever peft raises for a folder it cannot take
+        raise ExportError(f"{folder}: PeftModel cannot load the adapter: {exc}") from exc
+    tokens = _sample(cfg)
+    got = adapted(input_ids=tokens, use_cache=False).logits
+    diff = float((got - _logits(model, tokens)).abs().max())
+    if not diff <= atol:
+        raise ExportError(
+            f"{folder}: PEFT's adapter on the base gives logits {diff:.2e} away from the "
+            f"model's (> {atol:g})"
         )
     return diff

@@ -82,7 +82,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(layer, k, v)
-        y = cached_attention(q, k, v, cache.pos, gqa=self.n_kv_head != self.n_head)
+        gqa = self.n_kv_head != self.n_head
+        y = cached_attention(q, k, v, cache.pos, gqa=gqa, pad=getattr(cache, "pad", None))
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -169,10 +170,17 @@ class Llama(nn.Module):
         decoding. The rotary tables are computed once per cache, for its whole length."""
         start, T = cache.pos, idx.shape[1]
         assert start + T <= cache.max_len, f"position {start + T} > cache length {cache.max_len}"
-        if cache.rope is None:
+        if cache.rope is None:  # by position: a table as long as the context
             head_dim = self.cfg.d_model // self.cfg.n_head
-            cache.rope = rope_tables(head_dim, cache.max_len, self.cfg.rope_theta, idx.device)
-        cos, sin = cache.rope[0][start : start + T], cache.rope[1][start : start + T]
+            length = max(cache.max_len, self.cfg.seq_len)
+            cache.rope = rope_tables(head_dim, length, self.cfg.rope_theta, idx.device)
+        pad = getattr(cache, "pad", None)
+        if pad is None:
+            cos, sin = cache.rope[0][start : start + T], cache.rope[1][start : start + T]
+        else:  # left-padded rows: each its own positions, [B, 1, T, head_dim]
+            pos = torch.arange(start, start + T, device=idx.device)
+            pos = (pos[None, :] - pad[:, None]).clamp(min=0)
+            cos, sin = cache.rope[0][pos][:, None], cache.rope[1][pos][:, None]
         x = self.tok_embeddings(idx)
         for layer, block in enumerate(self.blocks):
             x = cast(LlamaBlock, block).forward_cached(x, cos, sin, cache, layer)

@@ -33,6 +33,7 @@ from trainer.config import DEFAULT_LORA_TARGETS, LoraConfig, lora_matches
 __all__ = [
     "LoRALinear",
     "apply_lora",
+    "drop_lora",
     "init_lora",
     "lora_param_count",
     "merge_lora",
@@ -112,3 +113,13 @@ def merge_lora(model: nn.Module) -> None:
             module.weight.requires_grad_(True)
             if module.bias is not None:
                 module.bias.requires_grad_(True)
+
+
+@torch.no_grad()
+def drop_lora(model: nn.Module) -> None:
+    """Remove the adapters without merging them: the model is its base again (what a PEFT
+    adapter is loaded on)."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            del module.lora_a, module.lora_b
+            module.__class__ = nn.Linear  # type: ignore[assignment]

@@ -23,11 +23,25 @@ INIT_STD = 0.02
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, gqa: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    gqa: bool = False,
+    pad: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of queries at positions ``start ..`` (``q`` ``[B, H, T, D]``) over
-    keys and values at positions ``0 .. start+T`` (the cache and the new tokens)."""
+    """Causal attention of queries at columns ``start ..`` (``q`` ``[B, H, T, D]``) over
+    keys and values at columns ``0 .. start+T`` (the cache and the new tokens). ``pad``
+    ``[B]``: each row's left padding, columns its queries never see (a padding query sees
+    itself only, so nothing in its row turns to nan)."""
     T = q.shape[2]
+    if pad is not None:
+        cols = torch.arange(k.shape[2], device=q.device)
+        rows = torch.arange(start, start + T, device=q.device)
+        causal = cols[None, :] <= rows[:, None]
+        own = (cols[None, None, :] >= pad[:, None, None]) | (cols[None, :] == rows[:, None])
+        mask = (causal[None] & own)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if T == 1:  # one new token sees everything before it: no mask
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if start == 0:  # the prompt: the training path's causal attention
@@ -59,7 +73,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         k, v = cache.update(layer, k, v)
-        y = cached_attention(q, k, v, cache.pos)
+        y = cached_attention(q, k, v, cache.pos, pad=getattr(cache, "pad", None))
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -148,6 +162,9 @@ class GPT(nn.Module):
         start, T = cache.pos, idx.shape[1]
         assert start + T <= self.cfg.seq_len, f"position {start + T} > seq_len {self.cfg.seq_len}"
         pos = torch.arange(start, start + T, device=idx.device)
+        pad = getattr(cache, "pad", None)
+        if pad is not None:  # left-padded rows: each its own positions
+            pos = (pos[None, :] - pad[:, None]).clamp(min=0)
         x = self.wte(idx) + self.wpe(pos)
         for layer, block in enumerate(self.blocks):
             x = cast(Block, block).forward_cached(x, cache, layer)

@@ -10,6 +10,16 @@ so one tenant's burst does not hold up another's request. A request is acked as 
 (at most once: the API has its own deadline, so a request lost with a dying worker is a
 504, never a hang); one still in the backlog when the worker stops is answered 503.
 
+Requests to the same model decode together (``trainer.generate.Engine``): a generation
+thread that takes a ``complete`` or ``chat`` request also takes the waiting requests for the
+same (job, step), owner by owner, up to ``TRAINQ_GENERATE_BATCH``, and after each token
+the waiting ones take the seats of those that ended (the ``hf`` family: only while its
+batch is empty). A thread steps up to ``MODELS_PER_THREAD`` such batches (models) a token
+each in turn. Each request keeps its own parameters, seed, stop strings, deadline and
+cancel, and its ``start`` event says how many requests it decodes with (``batch``).
+``tokenize`` and ``detokenize`` are answered at once from the model's tokenizer; ``chat``
+renders its messages with ``trainer.chat`` (``_chat_prompt``) and is then a completion.
+
 Models are loaded from the job's checkpoint (``trainer.export.load_model``: any strategy,
 LoRA merged) and kept in an LRU bounded by ``TRAINQ_GENERATE_CACHE_BYTES`` (weights and
 buffers), so the next request to the same checkpoint starts at once; the load time is
@@ -28,7 +38,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +66,8 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 1000
 REPLY_TTL_S = 120  # past the deadline, a reply nobody read expires
 CANCEL_POLL_S = 0.25  # how often a streamed request looks for its cancel key
+GENERATING = ("complete", "chat")  # the kinds that decode (and batch)
+MODELS_PER_THREAD = 4  # batches (one per model) a generation thread decodes in turn
 BACKLOG_FULL_WAIT_S = 0.05
 
 
@@ -249,10 +263,33 @@ class GenerationServer:
                     self.backlog.put(req.owner, req)
 
     def _run(self, index: int) -> None:
+        """Take requests by owner's turn. With batching on, a generation thread decodes up
+        to ``MODELS_PER_THREAD`` batches (one per model) a token each in turn, so a request
+        for another model starts at once rather than after a whole batch."""
+        size = self.ctx.settings.generate_batch
+        batches: list[_Batch] = []
         while not self._stop.is_set():
-            got = self.backlog.get(timeout=BLOCK_MS / 1000)
-            if got is not None:
-                self.answer(got[1])
+            if size == 1 or len(batches) < MODELS_PER_THREAD:
+                got = self.backlog.get(timeout=0 if batches else BLOCK_MS / 1000)
+                if got is not None:
+                    req = got[1]
+                    if size == 1 or req.kind not in GENERATING:
+                        self.answer(req)
+                    else:
+                        found = next((b for b in batches if b.key == (req.job_id, req.step)
+                                      and b.engine.can_join and len(b.engine.live) < size),
+                                     None)  # fmt: skip
+                        if found is not None:
+                            self._join(found, [req], True)
+                        elif (found := self._open(req, size)) is not None:
+                            batches.append(found)
+            for found in batches:
+                if found.engine.live:
+                    self._step(found, size)
+            batches = [b for b in batches if b.engine.live]
+        for found in batches:  # stopping: what is still decoding is answered 503
+            while found.engine.live:
+                self._step(found, 1)
 
     # ------------------------------------------------------------------------- one request
 
@@ -265,16 +302,30 @@ class GenerationServer:
             return
         self.answer(req)
 
-    def answer(self, req: GenerateRequest) -> None:
-        reply = reply_stream(req.id, self.prefix)
+    def answer(self, req: GenerateRequest, batch: int = 1) -> None:
+        """Answer ``req``; a generation takes up to ``batch`` - 1 waiting requests for the
+        same model into its batch (owner by owner), and more join as seats free up."""
+        if req.kind in GENERATING:
+            self._decode(req, batch)
+            return
+        with self._answering(req):
+            self._tokens(req)
+
+    @contextmanager
+    def _answering(self, req: GenerateRequest) -> Iterator[None]:
+        """Any failure of ``req`` becomes its error event."""
         try:
-            self._serve(req, reply)
+            yield
         except GenerateError as exc:
-            self._send(reply, req, error_event(exc.status, exc.message, exc.loc))
+            self._error(req, exc)
         except Exception as exc:
             log.exception("generation %s on job %s failed", req.id, req.job_id)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self._send(reply, req, error_event(500, f"generation failed: {first}"))
+            self._error(req, GenerateError(500, f"generation failed: {first}"))
+
+    def _error(self, req: GenerateRequest, exc: GenerateError) -> None:
+        self._send(reply_stream(req.id, self.prefix), req,
+                   error_event(exc.status, exc.message, exc.loc))  # fmt: skip
 
     def _refuse(self, fields: dict[Any, Any], exc: Exception) -> None:
         """A request this worker cannot read (another version's API?): answered with an
@@ -308,21 +359,137 @@ class GenerationServer:
         if time.time() > req.deadline:
             raise GenerateError(504, f"the generation deadline passed {what}")
 
-    def _serve(self, req: GenerateRequest, reply: str) -> None:
+    def _model(self, req: GenerateRequest) -> tuple[Loaded, bool]:
         self._late(req, "before a worker took the request")
         loaded, cached = self.models.get(req.job_id, req.step)
         self._late(req, f"while loading the model ({loaded.load_s:.1f} s)")
-        from trainer.generate import GenerationStopped, Sampling, complete, context_length
+        return loaded, cached
 
+    def _start(
+        self, req: GenerateRequest, loaded: Loaded, cached: bool, prompt: list[int], batch: int
+    ) -> None:
+        from trainer.generate import context_length
+
+        self._send(reply_stream(req.id, self.prefix), req, {
+            "type": "start",
+            "worker": self.ctx.name,  # the API fails the request if this worker goes stale
+            "step": loaded.step,
+            "load_s": round(loaded.load_s, 4),
+            "cached": cached,
+            "prompt_tokens": len(prompt),
+            "prompt_ids": prompt,
+            "batch": batch,
+            "context": context_length(loaded.model),
+            "eos": list(getattr(loaded.tokenizer, "eos_ids", ())),
+        })  # fmt: skip
+
+    # ------------------------------------------------------------- tokenize and detokenize
+
+    def _tokens(self, req: GenerateRequest) -> None:
+        from trainer.generate import context_length
+
+        loaded, cached = self._model(req)
+        tok = loaded.tokenizer
+        reply = reply_stream(req.id, self.prefix)
+        if req.kind == "tokenize":
+            ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            self._start(req, loaded, cached, ids, 1)
+            self._send(reply, req, {
+                "type": "end",
+                "tokens": ids,
+                "count": len(ids),
+                "max_model_len": context_length(loaded.model),
+                "token_strs": [tok.token_str(t) for t in ids],
+            })  # fmt: skip
+            return
+        ids = list(req.prompt_ids or [])
+        _check_ids(ids, _vocab(loaded.model), ["body", "prompt_ids"])
+        self._start(req, loaded, cached, ids, 1)
+        self._send(reply, req, {"type": "end", "prompt": tok.decode(ids)})
+
+    # ---------------------------------------------------------------------------- decoding
+
+    def _decode(self, first: GenerateRequest, batch: int) -> None:
+        """Decode ``first`` with the waiting requests for its model, alone on this thread."""
+        found = self._open(first, batch)
+        while found is not None and found.engine.live:
+            self._step(found, batch)
+
+    def _open(self, first: GenerateRequest, batch: int) -> _Batch | None:
+        """A batch for ``first``'s model with the waiting requests that fit it (owner by
+        owner); None when the model cannot be had (each request answered)."""
+        key = (first.job_id, first.step)
+        members = [first] + [r for _, r in self.backlog.take(_fits(key), batch - 1)]
+        try:
+            loaded, cached = self._model(first)
+        except Exception as exc:
+            for req in members:
+                with self._answering(req):
+                    raise exc
+            return None
+        from trainer.generate import Engine
+
+        found = _Batch(key, Engine(loaded.model, loaded.tokenizer), loaded)
+        self._join(found, members, cached)
+        return found
+
+    def _step(self, found: _Batch, batch: int) -> None:
+        """One token for every request of ``found``; requests that ended are answered, and
+        waiting ones for its model take the seats they left."""
+        engine = found.engine
+        try:
+            ended = engine.step()
+        except Exception as exc:  # the batch's forward failed: every request in it
+            for live in engine.live:
+                with self._answering(found.serving[id(live.req)].req):
+                    raise exc
+            engine.live.clear()
+            return
+        for gen in ended:
+            self._end(found.serving.pop(id(gen)), found.loaded)
+        room = batch - len(engine.live)
+        if room > 0 and engine.live and engine.can_join and not self._stop.is_set():
+            self._join(found, [r for _, r in self.backlog.take(_fits(found.key), room)], True)
+
+    def _join(self, found: _Batch, reqs: list[GenerateRequest], cached: bool) -> None:
+        engine, serving, loaded = found.engine, found.serving, found.loaded
+        ready: list[_Serving] = []
+        for req in reqs:
+            with self._answering(req):
+                ready.append(self._prepare(req, loaded))
+        if not ready:
+            return
+        for item in ready:
+            serving[id(item.gen)] = item
+        try:
+            ended = engine.add([item.gen for item in ready])
+        except Exception as exc:
+            for item in ready:
+                serving.pop(id(item.gen), None)
+                with self._answering(item.req):
+                    raise exc
+            return
+        for item in ready:
+            self._start(item.req, loaded, cached, item.prompt, item.gen.batch)
+        for gen in ended:
+            self._end(serving.pop(id(gen)), loaded)
+
+    def _prepare(self, req: GenerateRequest, loaded: Loaded) -> _Serving:
+        """The engine's request for ``req``: its prompt checked, its parameters, its
+        deadline and cancel checks, its deltas."""
+        from trainer.generate import GenerationStopped, Request, Sampling, context_length
+
+        self._late(req, "before decoding began")
         model, tok = loaded.model, loaded.tokenizer
-        prompt = tok.encode(req.prompt) if req.prompt is not None else list(req.prompt_ids or [])
-        vocab = int(getattr(model.cfg, "vocab_size", 0) or model.vocab_size)
+        if req.kind == "chat":
+            prompt = tok.encode(_chat_prompt(req, loaded), add_special_tokens=False)
+        elif req.prompt is not None:
+            prompt = tok.encode(req.prompt)
+        else:
+            prompt = list(req.prompt_ids or [])
         if not prompt:
             raise GenerateError(422, "the prompt is empty", ["body", "prompt"])
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise GenerateError(422, f"token id {bad} is outside the vocabulary ({vocab})",
-                                ["body", "prompt"])  # fmt: skip
+        _check_ids(prompt, _vocab(model), ["body", "prompt"])
         limit = context_length(model)
         if len(prompt) > limit:
             raise GenerateError(
@@ -338,17 +505,14 @@ class GenerationServer:
             seed=req.seed,
             stop=tuple(s for s in req.stop if s),
             n=req.n,
+            logprobs=req.logprobs,
+            echo=req.echo,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=tuple(sorted(req.logit_bias.items())),
+            eos=() if req.ignore_eos else tuple(getattr(tok, "eos_ids", ())),
         )
-        start = {
-            "type": "start",
-            "worker": self.ctx.name,  # the API fails the request if this worker goes stale
-            "step": loaded.step,
-            "load_s": round(loaded.load_s, 4),
-            "cached": cached,
-            "prompt_tokens": len(prompt),
-        }
-        self._send(reply, req, start)
-
+        reply = reply_stream(req.id, self.prefix)
         cancel = cancel_key(req.id, self.prefix)
         polled = [time.monotonic()]
 
@@ -360,20 +524,25 @@ class GenerationServer:
                 if self.redis.exists(cancel):  # the client went away
                     raise GenerationStopped(f"the client went away after {done} tokens")
 
-        def delta(items: list[tuple[int, str, list[int]]]) -> None:
+        def delta(items: list[Any]) -> None:
             self._send(reply, req, {"type": "delta", "choices": items})
 
-        began = time.perf_counter()
-        try:
-            result = complete(
-                model, tok, prompt, params, on_delta=delta if req.stream else None, check=check
-            )
-        except GenerationStopped as exc:
-            if self._stop.is_set():
-                raise GenerateError(503, f"the worker is shutting down: stopped {exc}") from exc
-            raise GenerateError(504, f"generation stopped: {exc}") from exc
-        gen_s = time.perf_counter() - began
-        end = {
+        gen = Request(prompt, params, delta if req.stream else None, check)
+        return _Serving(req, gen, prompt)
+
+    def _end(self, item: _Serving, loaded: Loaded) -> None:
+        req, gen = item.req, item.gen
+        if gen.error is not None:
+            exc = gen.error
+            with self._answering(req):
+                if self._stop.is_set():
+                    raise GenerateError(503, f"the worker is shutting down: stopped {exc}")
+                raise GenerateError(504, f"generation stopped: {exc}")
+            return
+        result = gen.result
+        assert result is not None
+        gen_s = time.perf_counter() - item.began
+        self._send(reply_stream(req.id, self.prefix), req, {
             "type": "end",
             "choices": [
                 {
@@ -381,6 +550,7 @@ class GenerationServer:
                     "text": c.text,
                     "token_ids": c.token_ids,
                     "finish_reason": c.finish_reason,
+                    "logprobs": c.logprobs,
                 }
                 for c in result.choices
             ],
@@ -391,8 +561,64 @@ class GenerationServer:
             },
             "seed": result.seed,
             "generate_s": round(gen_s, 4),
-        }
-        self._send(reply, req, end)
-        log.info("generation %s: job %s step %d, %d tokens in %.2f s%s", req.id, req.job_id,
-                 loaded.step, result.completion_tokens, gen_s,
-                 "" if cached else f" (loaded in {loaded.load_s:.2f} s)")  # fmt: skip
+            "prompt_text": result.prompt_text,
+            "prompt_logprobs": result.prompt_logprobs,
+        })  # fmt: skip
+        log.info("generation %s: job %s step %d, %d tokens in %.2f s (batch %d)", req.id,
+                 req.job_id, loaded.step, result.completion_tokens, gen_s, gen.batch)  # fmt: skip
+
+
+@dataclass
+class _Batch:
+    """Requests to one model decoding together on a generation thread."""
+
+    key: tuple[str, int | None]  # (job, step) as requested
+    engine: Any  # trainer.generate.Engine
+    loaded: Loaded
+    serving: dict[int, _Serving] = field(default_factory=dict)  # by id() of the engine's
+
+
+def _fits(key: tuple[str, int | None]) -> Callable[[GenerateRequest], bool]:
+    def fits(r: GenerateRequest) -> bool:
+        return r.kind in GENERATING and (r.job_id, r.step) == key
+
+    return fits
+
+
+@dataclass
+class _Serving:
+    """A request being decoded: the wire's request, the engine's, its prompt ids."""
+
+    req: GenerateRequest
+    gen: Any  # trainer.generate.Request
+    prompt: list[int]
+    began: float = field(default_factory=time.perf_counter)
+
+
+def _vocab(model: Any) -> int:
+    return int(getattr(model.cfg, "vocab_size", 0) or model.vocab_size)
+
+
+def _check_ids(ids: list[int], vocab: int, loc: list[str | int]) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise GenerateError(422, f"token id {bad} is outside the vocabulary ({vocab})", loc)
+
+
+def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
+    """``req.messages`` rendered with a chat template (``trainer.chat``): the request's
+    ``chat_template``, else the tokenizer's own, else ``trainer.chat.DEFAULT_TEMPLATE``
+    (ChatML). A template that fails is the request's 422, naming ``chat_template`` when the
+    request sent it, else ``messages`` (the tokenizer's template refused them)."""
+    from trainer.chat import DEFAULT_TEMPLATE, ChatTemplateError, render
+
+    tok = loaded.tokenizer
+    own = getattr(tok, "chat_template", None)
+    template = req.chat_template or own or DEFAULT_TEMPLATE
+    bos = getattr(tok, "bos_token", None) or ""
+    eos = getattr(tok, "eos_token", None) or ""
+    try:
+        return render(template, list(req.messages or []), req.add_generation_prompt, bos, eos)
+    except ChatTemplateError as exc:
+        field = "chat_template" if req.chat_template else "messages"
+        raise GenerateError(422, str(exc), ["body", field]) from None

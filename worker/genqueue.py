@@ -6,6 +6,9 @@ for all of them. ``FairQueue`` holds what the worker read ahead (bounded by
 ``TRAINQ_GENERATE_BACKLOG``) per owner, and ``get`` takes the oldest request of the owner
 served least recently: round-robin between the owners waiting, and an owner that arrives
 goes before one that was just served. Within one owner, arrival order.
+
+``take`` fills a batch the same way: the requests that fit it (the same model) are taken
+owner by owner in turn, so one owner's burst takes one seat of a batch per turn.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 __all__ = ["FairQueue"]
@@ -46,16 +50,34 @@ class FairQueue(Generic[T]):
             if not self._size and not self._cond.wait_for(lambda: self._size > 0, timeout):
                 return None
             owner = min(self._waiting, key=lambda o: self._served.get(o, 0))
-            items = self._waiting[owner]
-            item = items.popleft()
-            if not items:
-                del self._waiting[owner]
-            self._size -= 1
-            self._served[owner] = next(self._turns)
-            self._served.move_to_end(owner)
-            while len(self._served) > REMEMBERED:
-                self._served.popitem(last=False)
-            return owner, item
+            return owner, self._pop(owner, self._waiting[owner][0])
+
+    def take(self, fits: Callable[[T], bool], limit: int) -> list[tuple[str, T]]:
+        """Up to ``limit`` waiting requests for which ``fits`` holds, by owner's turn (each
+        owner's oldest that fits), without waiting."""
+        out: list[tuple[str, T]] = []
+        with self._cond:
+            while len(out) < limit:
+                first = {o: next((i for i in items if fits(i)), None)
+                         for o, items in self._waiting.items()}  # fmt: skip
+                ready = [o for o, item in first.items() if item is not None]
+                if not ready:
+                    break
+                owner = min(ready, key=lambda o: self._served.get(o, 0))
+                out.append((owner, self._pop(owner, first[owner])))  # type: ignore[arg-type]
+        return out
+
+    def _pop(self, owner: str, item: T) -> T:
+        items = self._waiting[owner]
+        items.remove(item)
+        if not items:
+            del self._waiting[owner]
+        self._size -= 1
+        self._served[owner] = next(self._turns)
+        self._served.move_to_end(owner)
+        while len(self._served) > REMEMBERED:
+            self._served.popitem(last=False)
+        return item
 
     def drain(self) -> list[T]:
         """Everything still waiting (the worker is stopping: each gets an answer)."""

@@ -64,3 +64,6 @@ class WorkerSettings(BaseSettings):
     # Requests a worker takes off its queues' streams ahead of its generation threads, so
     # that it can serve owners in turn (worker.genqueue) rather than in arrival order.
     generate_backlog: int = Field(32, ge=1, le=1024)
+    # Requests to one model decoded together (one forward per token for all); 1: one at a
+    # time. A request waiting joins the batch at the next token (hf family: at its start).
+    generate_batch: int = Field(8, ge=1, le=256)

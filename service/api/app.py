@@ -32,13 +32,20 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from service.api import dashboard
 from service.api.checkpoints import router as checkpoint_routes
 from service.api.core import health, telemetry
-from service.api.core.auth import ANONYMOUS, TokenCache
+from service.api.core.auth import ANONYMOUS, Principal, TokenCache
 from service.api.core.db import make_async_reader, make_engine, make_sessionmaker
 from service.api.core.deps import Services
-from service.api.core.errors import PayloadTooLarge, TrainqError
+from service.api.core.errors import (
+    InvalidInput,
+    PayloadTooLarge,
+    TooManyRequests,
+    TrainqError,
+    Unauthorized,
+)
 from service.api.core.settings import Settings
 from service.api.datasets import router as dataset_routes
 from service.api.datasets.work import DatasetWork
+from service.api.generation import openai_errors
 from service.api.generation import router as generate
 from service.api.generation.inflight import InFlight
 from service.api.jobs import router as jobs
@@ -54,7 +61,7 @@ from service.api.streams.ingest import Ingestor
 from service.api.streams.sse import StreamHub
 from trainer.events import Keys
 
-__all__ = ["app", "build_services", "create_app"]
+__all__ = ["app", "build_services", "create_app", "error_response"]
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +77,18 @@ DESCRIPTION = (
 )
 
 
-class EdgeMiddleware:
-    """Body limit and request timing, as plain ASGI (no per-request task or copy).
+# A GET the edge answered itself: the route it stands for and the status; None: route it.
+FastGet = Callable[[Scope, Receive, Send], Awaitable[tuple[str, int] | None]]
 
-    A Content-Length over the limit is refused before the app runs; a body streamed without
-    one is counted as it arrives and refused (PayloadTooLarge, a 413) once it passes.
+
+class EdgeMiddleware:
+    """Body limit, request timing and the fast GETs, as plain ASGI (no per-request task or
+    copy).
+
+    ``GET /healthz`` is answered here first, then each of ``fast_gets`` may answer a GET
+    before routing (``FastJobGet``, ``StreamRefusal``). A Content-Length over the limit is
+    refused before the app runs; a body streamed without one is counted as it arrives and
+    refused (PayloadTooLarge, a 413) once it passes.
     """
 
     def __init__(
@@ -82,23 +96,28 @@ class EdgeMiddleware:
         app: ASGIApp,
         max_body: int,
         observe: Callable[..., None],
-        fast_get: FastJobGet | None = None,
+        fast_gets: tuple[FastGet, ...] = (),
     ) -> None:
         self.app = app
         self.max_body = max_body
         self.observe = observe
-        self.fast_get = fast_get
+        self.fast_gets = fast_gets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        if self.fast_get is not None and scope["method"] == "GET":
-            status = await self.fast_get(scope, receive, send)
-            if status:
-                self.observe("GET", FastJobGet.PATH, status, time.perf_counter() - start)
+        if scope["method"] == "GET":
+            if scope["path"] == health.HEALTHZ_PATH:
+                status = await health.answer_healthz(send)
+                self.observe("GET", health.HEALTHZ_PATH, status, time.perf_counter() - start)
                 return
+            for fast_get in self.fast_gets:
+                answered = await fast_get(scope, receive, send)
+                if answered is not None:
+                    self.observe("GET", *answered, time.perf_counter() - start)
+                    return
         limit = self.max_body
         if scope["method"] == "POST" and scope["path"] == dataset_routes.UPLOAD_PATH:
             limit = sys.maxsize  # streamed to disk; the route enforces the dataset limits
@@ -138,11 +157,28 @@ class EdgeMiddleware:
             self.observe(scope["method"], path, status, time.perf_counter() - start)
 
 
+async def _edge_principal(services: Services, scope: Scope) -> Principal | None:
+    """The caller as ``get_principal`` resolves it (the token cache, then PostgreSQL on the
+    event loop), or None where that would take a thread-pool hop (SQLite) or fails: a missing,
+    unknown or revoked token, an outage. None leaves the request to the routed path, which
+    answers it properly (a 401 before anything else)."""
+    if not services.settings.auth_enabled:
+        return ANONYMOUS
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+    authorization = header.decode("latin-1") if header is not None else None
+    try:
+        if services.areader is not None:
+            return await services.tokens.aresolve(authorization, services.areader)
+        return services.tokens.resolve_cached(authorization)  # LookupError on a miss
+    except Exception:  # Unauthorized, a miss on SQLite, an outage: the routed path answers
+        return None
+
+
 class FastJobGet:
     """``GET /v1/jobs/{id}`` answered without FastAPI's routing and dependency solving: the
     hot read of every client's polling loop. Only the plain case is taken here (a well-formed
     id, a known token or auth off, PostgreSQL, the job found); anything else (bad input, an
-    unknown token, a 404, the database away) returns 0 having sent nothing, and the request
+    unknown token, a 404, the database away) returns None having sent nothing, and the request
     goes through the routed ``get_job``, which answers it (and documents it in OpenAPI). The
     answer is built by the same function the route uses, so the two cannot differ."""
 
@@ -152,26 +188,50 @@ class FastJobGet:
     def __init__(self, services: Services) -> None:
         self.services = services
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> tuple[str, int] | None:
         services = self.services
         match = self._ID.fullmatch(scope["path"])
         if match is None or services.areader is None:
-            return 0
-        principal = ANONYMOUS
-        if services.settings.auth_enabled:
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            try:
-                principal = await services.tokens.aresolve(
-                    header.decode("latin-1") if header is not None else None, services.areader
-                )
-            except Exception:  # Unauthorized, an outage: the routed path answers it properly
-                return 0
+            return None
+        principal = await _edge_principal(services, scope)
+        if principal is None:
+            return None
         try:
             response = await jobs.get_job_answer(services, principal, match.group(1))
         except Exception:  # NotFound, an outage: the routed path answers it properly
-            return 0
+            return None
         await response(scope, receive, send)
-        return response.status_code
+        return self.PATH, response.status_code
+
+
+class StreamRefusal:
+    """A stream (``/events``, ``/logs?follow=true``) past the stream limits refused before
+    routing: the 429 the route would give (``StreamHub.refusal``, the check ``admit`` counts
+    by, made into the answer by ``error_response``, as the routed one is), at the cost of a
+    token-cache hit, so a burst of refused streams costs the process little more than their
+    connections. Only a request the route would accept as it is (``stream_route``) by a
+    caller the edge can name; anything else returns None, and the route answers it (401
+    before 429, 422 before 429). An admitted stream is counted by the route, not here."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> tuple[str, int] | None:
+        headers = scope["headers"]
+        route = streams.stream_route(
+            scope["path"], scope["query_string"], [v for k, v in headers if k == b"last-event-id"]
+        )
+        if route is None:
+            return None
+        principal = await _edge_principal(self.services, scope)
+        if principal is None:
+            return None
+        refused = self.services.hub.refusal(principal.name)
+        if refused is None:
+            return None
+        response = error_response(refused)
+        await response(scope, receive, send)
+        return route, response.status_code
 
 
 async def _send_413(send: Send, limit: int) -> None:
@@ -194,19 +254,22 @@ def _error(status: int, detail: Any) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status)
 
 
+def error_response(exc: TrainqError) -> JSONResponse:
+    """The answer to one of the service's own errors, routed or at the edge."""
+    if isinstance(exc, InvalidInput):
+        return _error(422, exc.errors)
+    response = _error(exc.status_code, exc.message)
+    if isinstance(exc, Unauthorized):
+        response.headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, TooManyRequests):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
 def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(TrainqError)
     async def _trainq(_: Request, exc: TrainqError) -> JSONResponse:
-        from service.api.core.errors import InvalidInput, TooManyRequests, Unauthorized
-
-        if isinstance(exc, InvalidInput):
-            return _error(422, exc.errors)
-        response = _error(exc.status_code, exc.message)
-        if isinstance(exc, Unauthorized):
-            response.headers["WWW-Authenticate"] = "Bearer"
-        if isinstance(exc, TooManyRequests):
-            response.headers["Retry-After"] = str(exc.retry_after)
-        return response
+        return error_response(exc)
 
     @app.exception_handler(RecursionError)
     async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
@@ -352,6 +415,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     registry, observe = telemetry.build_registry(services)
     app.state.registry = registry
     _install_handlers(app)
+    openai_errors.install(app)  # OpenAI's error shape on its routes (after the handlers)
     app.include_router(jobs.router)
     app.include_router(streams.router)
     app.include_router(workers.router)
@@ -364,7 +428,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         EdgeMiddleware,
         max_body=settings.max_body_bytes,
         observe=observe,
-        fast_get=FastJobGet(services),
+        fast_gets=(FastJobGet(services), StreamRefusal(services)),
     )
 
     def openapi() -> dict[str, Any]:

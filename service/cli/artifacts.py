@@ -56,6 +56,20 @@ class _Stream:
         return out
 
 
+def _formats(item: dict[str, Any]) -> str:
+    """``native,hf``, with a failed export as ``hf:failed`` (its reason: --json)."""
+    shown = [str(f) for f in item.get("formats") or []]
+    exports = item.get("exports")
+    if not isinstance(exports, dict):
+        exports = {}
+    shown += [
+        f"{name}:failed"
+        for name, e in exports.items()
+        if isinstance(e, dict) and e.get("status") == "failed"
+    ]
+    return clean(",".join(shown))
+
+
 def _size(value: Any) -> str:
     if not isinstance(value, int):
         return "-"
@@ -157,7 +171,7 @@ def register(app: typer.Typer) -> None:
                 fmt(c.get("val_loss"), ".4f"),
                 _size(c.get("size_bytes")),
                 fmt(c.get("strategy")),
-                ",".join(map(str, c.get("formats") or [])),
+                _formats(c),
             ]
             for c in out.get("items", [])
         ]
@@ -175,7 +189,9 @@ def register(app: typer.Typer) -> None:
         format_: Annotated[
             str,
             typer.Option(
-                "--format", help="native (the trainer's files) or hf (a Hugging Face folder)"
+                "--format",
+                help="native (the trainer's files), hf (a Hugging Face folder) or peft (a "
+                "LoRA run's adapter)",
             ),
         ] = "native",
         force: Annotated[
@@ -183,13 +199,14 @@ def register(app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Download a checkpoint into a folder: --format hf loads with transformers'
-        from_pretrained(DIR); native with `python -m trainer.export --checkpoint DIR`."""
+        from_pretrained(DIR); peft with PeftModel.from_pretrained(base, DIR); native with
+        `python -m trainer.export --checkpoint DIR`."""
         from service.cli.client import BadSetting, Client
 
         if step != "latest" and not (step.isascii() and step.isdigit()):
             raise BadSetting(f"--step: {step!r} is not a step number or latest")
-        if format_ not in ("native", "hf"):
-            raise BadSetting(f"--format: {format_!r} is not native or hf")
+        if format_ not in ("native", "hf", "peft"):
+            raise BadSetting(f"--format: {format_!r} is not native, hf or peft")
         with Client() as client:
             got, size = download(client, job_id, step, format_, out, force=force)
         what = f"step {got} of job {job_id} ({format_}, {_size(size)})"

@@ -60,7 +60,7 @@ EXIT_USAGE = 2  # bad command line or unreadable spec file (click's own code for
 EXIT_CANCELLED = 3  # the job was cancelled
 EXIT_TIMEOUT = 4  # the job hit max_runtime_s, or --timeout passed while waiting
 EXIT_UNREACHABLE = 5  # the service cannot be reached, or answers 5xx/503
-EXIT_REJECTED = 6  # the API refused the request: 401, 403, 404, 409, 413, 422
+EXIT_REJECTED = 6  # the API refused the request: 400, 401, 403, 404, 409, 413, 422
 EXIT_INTERRUPTED = 130  # Ctrl-C while waiting (128 + SIGINT, as a shell reports it)
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -136,8 +136,17 @@ def exit_code_for(status: str | None, reason: str | None) -> int:
 
 
 def is_trainq_error(body: Any) -> bool:
-    """Whether an error answer has the shape trainq's API gives every error (see above)."""
-    return isinstance(body, dict) and isinstance(body.get("detail"), str | list)
+    """Whether an error answer has the shape trainq's API gives every error (see above), or
+    OpenAI's ``{"error": {"message", ...}}`` its OpenAI-compatible routes give."""
+    return isinstance(body, dict) and (
+        isinstance(body.get("detail"), str | list) or _openai_message(body) is not None
+    )
+
+
+def _openai_message(body: Any) -> str | None:
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
 
 
 def _field_path(loc: list[Any]) -> str:
@@ -160,7 +169,9 @@ def describe_error(status: int, body: Any, what: str) -> str:
                 items.append(f"{path}: {err.get('msg', 'invalid')}")
         if items:
             return "invalid " + what + ": " + "; ".join(items)
-    text = detail if isinstance(detail, str) else None
+    text = detail if isinstance(detail, str) else _openai_message(body)
+    if status == 400 and text is not None:  # OpenAI's shape names the field in its message
+        return f"invalid {what}: {text}"
     if status == 401:
         hint = "set TRAINQ_TOKEN (create one with `trainq token create --name NAME`)"
         return f"unauthorized (401): {text or 'missing or invalid token'}; {hint}"
@@ -180,6 +191,7 @@ def describe_error(status: int, body: Any, what: str) -> str:
 
 
 STATUS_ERRORS: dict[int, type[ApiError]] = {
+    400: Invalid,  # OpenAI's status for a bad parameter (the OpenAI-compatible routes)
     401: Unauthorized,
     403: Forbidden,
     404: NotFound,

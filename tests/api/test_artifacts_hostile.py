@@ -114,7 +114,8 @@ def test_generations_in_flight_per_owner_are_bounded_across_replicas(
             # Each replica alone holds one: an in-process count would let this through.
             third = client2.post("/v1/completions", json=body, headers=headers)
             assert third.status_code == 429, third.text
-            assert "TRAINQ_GENERATE_MAX_PER_OWNER" in third.json()["detail"]
+            assert "TRAINQ_GENERATE_MAX_PER_OWNER" in third.json()["error"]["message"]
+            assert third.json()["error"]["code"] == "rate_limit_exceeded"
             assert "Retry-After" in third.headers
             for t in holders:
                 t.join()

@@ -53,6 +53,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[str, 
     return root / "run"
 
 
+@pytest.fixture(scope="module")
+def lora_trained(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[str, str]) -> Path:
+    """A LoRA run of the debug GPT (2 steps): its last checkpoint has hf/ and peft/."""
+    root = tmp_path_factory.mktemp("lora-run")
+    runs.write_corpus(root / "data")
+    cfg = runs.config(steps=2, eval={"every": 0}, checkpoint={"every": 0, "keep": 1, "hf": "final"})
+    cfg["lora"] = {"rank": 2, "alpha": 4.0}
+    code, out = runs.run(cfg, root / "run", root / "data", subprocess_env, nproc=1)
+    assert code == 0 and "peft: wrote" in out, out
+    return root / "run"
+
+
 def _job_with_run(api: Api, sim: Callable[..., WorkerSim], trained: Path) -> str:
     """A submitted job whose run folder is ``trained``, its metrics ingested."""
     job_id = str(api.submit()["id"])
@@ -259,6 +271,51 @@ def test_links_and_special_files_are_never_served(
     assert got.status_code == 200 and got.json()["items"] == []
 
 
+def test_a_failed_export_is_listed_failed_with_its_reason(
+    api: Api, sim: Callable[..., WorkerSim], trained: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """The trainer's export of step 2 fails for real (its dataset names a tokenizer that is
+    gone): the listing says hf failed and why, a download of hf answers with that reason,
+    and the native download does not carry the record."""
+    from trainer.publish import publish
+
+    job_id = _job_with_run(api, sim, trained)
+    step2 = api.settings.runs_root / job_id / "checkpoints" / "step-2"
+    dataset = tmp_path / "old-dataset"
+    dataset.mkdir()
+    gone = tmp_path / "moved" / "tokenizer.json"
+    (dataset / "meta.json").write_text(json.dumps({"tokenizer": str(gone)}))
+    assert publish(step2, dataset) is None
+    assert "hf: could not write" in capsys.readouterr().err
+    base = f"/v1/jobs/{job_id}/checkpoints"
+    items = api.client.get(base, headers=api.headers()).json()["items"]
+    failed = items[0]["exports"]["hf"]
+    assert failed["status"] == "failed" and failed["size_bytes"] is None
+    assert "prepare it again" in failed["reason"] and items[0]["formats"] == ["native"]
+    ready = items[1]["exports"]["hf"]
+    assert ready["status"] == "ready" and ready["size_bytes"] == items[1]["hf_size_bytes"] > 0
+    assert "peft" not in items[1]["exports"]  # not a LoRA run: none asked for
+    hf = api.client.get(f"{base}/2/download", params={"format": "hf"}, headers=api.headers())
+    assert hf.status_code == 409
+    assert (
+        hf.json()["detail"]
+        == f"the hf export of checkpoint step 2 of job {job_id} failed: " + failed["reason"]
+    )
+    peft = api.client.get(f"{base}/4/download", params={"format": "peft"}, headers=api.headers())
+    assert peft.status_code == 409 and "no PEFT adapter" in peft.json()["detail"]
+    native = api.client.get(f"{base}/2/download", headers=api.headers())
+    assert native.status_code == 200 and "hf.failed.json" not in _members(native.content)
+    # A record that is a link is not read (nor followed): the export is simply not there.
+    (step2 / "hf.failed.json").unlink()
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"reason": "do not serve"}))
+    (step2 / "hf.failed.json").symlink_to(secret)
+    items = api.client.get(base, headers=api.headers()).json()["items"]
+    assert "hf" not in items[0]["exports"]
+    hf = api.client.get(f"{base}/2/download", params={"format": "hf"}, headers=api.headers())
+    assert hf.status_code == 409 and "do not serve" not in hf.text
+
+
 def test_a_checkpoint_pruned_mid_download_still_arrives_whole(
     api: Api, sim: Callable[..., WorkerSim], trained: Path
 ) -> None:
@@ -330,6 +387,8 @@ def test_a_host_without_transformers_skips_the_hf_folder_in_one_line(
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "transformers not installed" in out[0], out
     assert not (run / "checkpoints" / "step-2" / HF_DIR).exists()
+    record = json.loads((run / "checkpoints" / "step-2" / "hf.failed.json").read_text())
+    assert "transformers not installed on the worker" in record["reason"]
     # A folder already there is kept as it is, whatever the host has.
     assert publish(run / "checkpoints" / "step-4") == run / "checkpoints" / "step-4" / HF_DIR
 
@@ -350,6 +409,7 @@ def test_cli_lists_and_downloads_into_a_folder(
         lines = listed.stdout.splitlines()
         assert lines[0].split()[:2] == ["STEP", "TIME"]
         assert lines[2].startswith("4 *") and "native,hf" in lines[2]
+        assert "hf:failed" not in listed.stdout
         out = tmp_path / "model"
         got = trainq("download", job_id, "--format", "hf", "-o", str(out))
         assert got.exit_code == 0, got.stderr
@@ -368,3 +428,51 @@ def test_cli_lists_and_downloads_into_a_folder(
         assert not [p for p in tmp_path.iterdir() if ".part-" in p.name]
         bad = trainq("download", job_id, "--step", "x", "-o", str(tmp_path / "y"))
         assert bad.exit_code == 2 and "--step" in bad.stderr
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_cli_downloads_a_lora_runs_peft_adapter_that_peft_loads(
+    api: Api, sim: Callable[..., WorkerSim], lora_trained: Path, tmp_path: Path
+) -> None:
+    """`trainq download --format peft` of a LoRA run: PeftModel on the base (the run's base
+    weights, `trainer.export --format hf --base` of the native download) computes what the
+    hf download (merged) computes."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.export import main as export_main
+
+    job_id = _job_with_run(api, sim, lora_trained)
+    listed = api.client.get(f"/v1/jobs/{job_id}/checkpoints", headers=api.headers()).json()
+    last = listed["items"][-1]
+    assert last["formats"] == ["native", "hf", "peft"]
+    assert last["exports"]["peft"]["status"] == "ready"
+    native = {k for k in _files(lora_trained / "checkpoints" / "step-2") if "/" not in k}
+    assert last["size_bytes"] == sum(
+        (lora_trained / "checkpoints" / "step-2" / k).stat().st_size for k in native
+    )
+    with Uvicorn(api.app) as server:
+        env = {"TRAINQ_URL": server.url, "TRAINQ_TOKEN": api.token}
+
+        def trainq(*args: str) -> Any:
+            return CliRunner().invoke(cli.app, list(args), env=env, catch_exceptions=False)
+
+        for fmt in ("peft", "hf", "native"):
+            got = trainq("download", job_id, "--format", fmt, "-o", str(tmp_path / fmt))
+            assert got.exit_code == 0, got.stderr
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    argv = ["--checkpoint", str(tmp_path / "native"), "--format", "hf", "--base"]
+    assert export_main([*argv, "--out", str(tmp_path / "base")]) == 0
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (adapted(input_ids=tokens).logits - merged(input_ids=tokens).logits).abs().max()
+    assert diff.item() <= 1e-4

@@ -128,7 +128,7 @@ def test_a_worker_killed_mid_stream_ends_it_with_an_error_event_soon(faults: Fau
     assert events and "[DONE]" not in events, events[-3:]
     error = events[-1].get("error")
     assert error is not None, events[-3:]
-    assert error["code"] == 502 and error["type"] == "WorkerLost", error
+    assert error["code"] == "worker_lost" and error["type"] == "server_error", error
     assert "genfault-doomed" in error["message"] and "TRAINQ_WORKER_STALE_S" in error["message"]
     # Seen within the registry's staleness and a liveness look, not at the 120 s deadline
     # (a generous bound: a guard against waiting for the deadline, not a timing claim).
@@ -157,7 +157,7 @@ def test_redis_gone_mid_stream_ends_it_with_the_documented_error_event(faults: F
     assert events and "[DONE]" not in events, events[-3:]
     error = events[-1].get("error")
     assert error is not None, events[-3:]
-    assert error["code"] == 503 and "Redis" in error["message"], error
+    assert error["code"] == "service_unavailable" and "Redis" in error["message"], error
     assert took < 60, took
     # The API handled it: no unhandled exception in its log, and it still answers.
     log = Path(faults.api.proc.log).read_text(errors="replace")

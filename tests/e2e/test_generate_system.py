@@ -187,43 +187,47 @@ def test_streamed_chunks_concatenate_to_the_answer_and_seeds_repeat(gen: tuple[G
 
 
 def test_bad_input_is_a_clear_4xx(gen: tuple[Gen, str]) -> None:
+    """OpenAI's shape and statuses on /v1/completions: 400 with the field as ``param``."""
     g, job_id = gen
 
     def answer(body: dict[str, Any], api: Api | None = None) -> tuple[int, Any]:
         r = g.post({"model": job_id, "prompt": PROMPT, **body}, api)
-        return r.status_code, r.json()["detail"]
+        return r.status_code, r.json()["error"]
 
-    status, detail = answer({"max_tokens": 4097})
-    assert status == 422 and detail[0]["loc"] == ["body", "max_tokens"]
-    status, detail = answer({"prompt": "x" * (SEQ_LEN + 1)})
-    assert (
-        status == 422 and detail[0]["loc"] == ["body", "prompt"] and "context" in detail[0]["msg"]
-    )
-    status, detail = answer({"prompt": list(range(SEQ_LEN + 1))})
-    assert status == 422 and detail[0]["loc"] == ["body", "prompt"]
-    status, detail = answer({"temperature": 2.5})
-    assert status == 422 and detail[0]["loc"] == ["body", "temperature"]
-    status, detail = answer({"model": "../etc"})
-    assert status == 422 and detail[0]["loc"] == ["body", "model"]
-    status, detail = answer({"echo": True})
-    assert status == 422 and "echo" in detail[0]["msg"]
+    status, error = answer({"max_tokens": 4097})
+    assert status == 400 and error["param"] == "max_tokens"
+    assert error["type"] == "invalid_request_error"
+    status, error = answer({"prompt": "x" * (SEQ_LEN + 1)})
+    assert status == 400 and error["param"] == "prompt" and "context" in error["message"]
+    status, error = answer({"prompt": list(range(SEQ_LEN + 1))})
+    assert status == 400 and error["param"] == "prompt"
+    status, error = answer({"temperature": 2.5})
+    assert status == 400 and error["param"] == "temperature"
+    status, error = answer({"model": "../etc"})
+    assert status == 400 and error["param"] == "model"
+    status, error = answer({"max_tokens": 0})
+    assert status == 400 and error["param"] == "max_tokens" and "echo" in error["message"]
     with g.api.client() as c:
         r = c.post(
             "/v1/completions", content=b"\xff{", headers={"Content-Type": "application/json"}
         )
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"]
-    status, detail = answer({"model": f"{job_id}:7"})
-    assert status == 404 and "step 7" in detail
-    status, detail = answer({}, g.other)
-    assert status == 404 and job_id in detail, "another token's job does not exist for it"
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    status, error = answer({"model": f"{job_id}:7"})
+    assert status == 404 and "step 7" in error["message"] and error["code"] == "model_not_found"
+    status, error = answer({}, g.other)
+    assert status == 404 and job_id in error["message"], "another token's job does not exist"
     # A queued job (no worker serves its queue): no checkpoint yet, 409 naming why.
     idle = g.submit("gen-idle", IDLE_QUEUE)
-    status, detail = answer({"model": idle})
-    assert status == 409 and "no complete checkpoint" in detail
+    status, error = answer({"model": idle})
+    assert status == 409 and "no complete checkpoint" in error["message"]
     # Given a checkpoint, the same job is a 503: no live worker serves its queue.
     shutil.copytree(g.runs_root / job_id, g.runs_root / idle)
-    status, detail = answer({"model": idle})
-    assert status == 503 and IDLE_QUEUE in detail
+    status, error = answer({"model": idle})
+    assert status == 503 and IDLE_QUEUE in error["message"]
+    # The job's own route keeps trainq's shape.
+    with g.api.client() as c:
+        r = c.post(f"/v1/jobs/{job_id}/generate", json={"prompt": PROMPT, "temperature": 2.5})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "temperature"]
 
 
 def test_the_cli_streams_what_the_api_answers(gen: tuple[Gen, str]) -> None:
@@ -253,7 +257,7 @@ def test_a_passed_deadline_is_a_504_not_a_hang(gen: tuple[Gen, str]) -> None:
         del g.system.env["TRAINQ_GENERATE_TIMEOUT_S"]
     hasty.token = g.api.token
     r = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 30}, hasty)
-    assert r.status_code == 504 and "deadline" in r.json()["detail"], r.text
+    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"], r.text
     # The worker goes on serving the others.
     ok = g.post({"model": job_id, "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200, ok.text

@@ -175,7 +175,7 @@ def test_stop_strings_cut_the_text_and_are_never_streamed() -> None:
     deltas: list[str] = []
     params = Sampling(max_tokens=30, temperature=0, stop=(stop,))
     out = complete(
-        model, ByteTokenizer(), PROMPT, params, on_delta=lambda i: deltas.extend(t for _, t, _ in i)
+        model, ByteTokenizer(), PROMPT, params, on_delta=lambda i: deltas.extend(d[1] for d in i)
     )
     [choice] = out.choices
     assert choice.finish_reason == "stop" and choice.text == text[: text.find(stop)]

@@ -43,3 +43,17 @@ def test_get_waits_for_a_put_and_drain_empties() -> None:
     q.put("a", "y")
     q.put("b", "z")
     assert sorted(q.drain()) == ["y", "z"] and len(q) == 0
+
+
+def test_a_batch_is_filled_owner_by_owner_with_what_fits() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(4):
+        q.put("a", f"a{i}")
+    q.put("b", "x0")  # another model: never taken into this batch
+    q.put("b", "b0")
+    q.put("c", "c0")
+    got = q.take(lambda item: not item.startswith("x"), limit=4)
+    assert [item for _, item in got] == ["a0", "b0", "c0", "a1"]
+    assert len(q) == 3
+    assert take_all(q) == ["x0", "a2", "a3"]
+    assert q.take(lambda item: True, limit=2) == []

@@ -2,11 +2,16 @@
 
     RUNS_ROOT/{job_id}/checkpoints/step-N/   DONE, meta.json, model.pt or dcp/, rng-rank*.pt
                                  step-N/hf/  the Hugging Face folder (trainer.publish)
+                                 step-N/peft/  a LoRA run's PEFT adapter (trainer.publish)
+                                 step-N/hf.failed.json  {"reason"}: that export failed
 
-Only complete checkpoints (DONE present) are listed or served. Two formats per checkpoint:
-``native`` (every file of step-N except hf/ and the trainer's half-written .hf-tmp/, what
-``python -m trainer.export --checkpoint`` and a resume read) and ``hf`` (the files of
-step-N/hf, there when it holds config.json). The API serves files; it never converts.
+Only complete checkpoints (DONE present) are listed or served. Three formats per checkpoint:
+``native`` (every file of step-N except the export folders, their half-written temporary
+folders and failure markers: what ``python -m trainer.export --checkpoint`` and a resume
+read), ``hf`` (the files of step-N/hf, there when it holds config.json) and ``peft`` (the
+files of step-N/peft, there when it holds adapter_config.json). An export the trainer was
+asked for and could not write is listed as failed with its reason (``FORMAT.failed.json``).
+The API serves files; it never converts.
 
 Nothing here follows a link: every folder is opened relative to its parent's descriptor
 with O_NOFOLLOW (the runs root itself belongs to the operator and may be a link), entries
@@ -34,24 +39,28 @@ from sqlalchemy import select
 
 from service.api.core.models import METRICS
 from service.api.jobs.crud import Reader
-from trainer.publish import CONFIG_FILE, HF_DIR, HF_TMP_DIR
+from trainer.publish import EXPORT_DIRS, failed_name
 
 __all__ = [
     "DONE",
     "CheckpointList",
     "CheckpointOut",
     "Entry",
+    "ExportOut",
     "Format",
     "Found",
     "checkpoint_list",
     "checkpoints_dir",
     "complete_steps",
+    "export_failure",
     "open_format",
     "resolve_step",
     "scan_checkpoints",
 ]
 
-Format = Literal["native", "hf"]
+Format = Literal["native", "hf", "peft"]
+ExportFormat = Literal["hf", "peft"]
+EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "peft")
 DONE = "DONE"  # trainer.checkpoint.DONE (that module loads torch)
 STEP_DIR = re.compile(r"step-([0-9]{1,10})")
 # What a member of the archive may be called: our files' names (DCP's .metadata included).
@@ -59,10 +68,26 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_.+=-]{1,200}")
 MAX_DEPTH = 8  # folders below step-N (DCP: one)
 MAX_ENTRIES = 100_000  # files and folders of one checkpoint, at most
 META_MAX_BYTES = 1 << 20
+FAILED_MAX_BYTES = 1 << 16
+REASON_MAX_CHARS = 2000
+# step-N's names that are not the native checkpoint: the export folders, their temporary
+# folders, and the failure markers.
+NOT_NATIVE = frozenset(
+    {name for folder, tmp, _ in EXPORT_DIRS.values() for name in (folder, tmp)}
+    | {failed_name(fmt) for fmt in EXPORT_DIRS}
+)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO swapped in after the scan does not hang the open; fstat then refuses it.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class ExportOut(BaseModel):
+    status: Literal["ready", "failed"] = Field(
+        description="ready: downloadable; failed: the trainer was asked for it and could not"
+    )
+    size_bytes: int | None = Field(None, description="its files (ready)")
+    reason: str | None = Field(None, description="why it failed (failed)")
 
 
 class CheckpointOut(BaseModel):
@@ -76,7 +101,11 @@ class CheckpointOut(BaseModel):
     strategy: str | None = None
     world_size: int | None = None
     latest: bool
-    formats: list[Format]
+    formats: list[Format] = Field(description="what it downloads as")
+    exports: dict[ExportFormat, ExportOut] = Field(
+        default_factory=dict,
+        description="the exports written (ready) or asked for and failed, by format",
+    )
 
 
 class CheckpointList(BaseModel):
@@ -196,29 +225,57 @@ def walk(root_fd: int, skip: frozenset[str] = frozenset()) -> list[Entry]:
 
 
 def open_format(ck_fd: int, step: int, fmt: Format) -> tuple[int, list[Entry]] | None:
-    """The descriptor of the format's root folder (step-N, or step-N/hf) and its entries;
-    None when the checkpoint is gone or, for hf, has no complete Hugging Face folder."""
+    """The descriptor of the format's root folder (step-N, step-N/hf or step-N/peft) and its
+    entries; None when the checkpoint is gone or has no complete folder of that format."""
     try:
         step_fd = open_dir(f"step-{step}", ck_fd)
     except OSError:
         return None
     if fmt == "native":
-        return step_fd, walk(step_fd, frozenset({HF_DIR, HF_TMP_DIR}))
+        return step_fd, walk(step_fd, NOT_NATIVE)
+    folder, _, marker = EXPORT_DIRS[fmt]
     try:
-        hf_fd = open_dir(HF_DIR, step_fd)
+        fmt_fd = open_dir(folder, step_fd)
     except OSError:
         return None
     finally:
         os.close(step_fd)
     try:
-        config = os.stat(CONFIG_FILE, dir_fd=hf_fd, follow_symlinks=False)
+        found = os.stat(marker, dir_fd=fmt_fd, follow_symlinks=False)
     except OSError:
-        os.close(hf_fd)
+        os.close(fmt_fd)
         return None
-    if not stat.S_ISREG(config.st_mode):
-        os.close(hf_fd)
+    if not stat.S_ISREG(found.st_mode):
+        os.close(fmt_fd)
         return None
-    return hf_fd, walk(hf_fd)
+    return fmt_fd, walk(fmt_fd)
+
+
+def _failure(step_fd: int, fmt: str) -> str | None:
+    """The reason in step-N/FORMAT.failed.json (a plain file, no link followed), or None."""
+    try:
+        with _closing(open_file(failed_name(fmt), step_fd)) as fd:
+            raw = os.read(fd, FAILED_MAX_BYTES)
+    except OSError:
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    reason = body.get("reason") if isinstance(body, dict) else None
+    if not isinstance(reason, str) or not reason.strip():
+        reason = "the export failed (its record is unreadable)"
+    return reason.strip()[:REASON_MAX_CHARS]
+
+
+def export_failure(ck_fd: int, step: int, fmt: str) -> str | None:
+    """Why step-N's export of ``fmt`` failed, when the trainer recorded that it did."""
+    try:
+        step_fd = open_dir(f"step-{step}", ck_fd)
+    except OSError:
+        return None
+    with _closing(step_fd):
+        return _failure(step_fd, fmt)
 
 
 def _meta(step_fd: int) -> dict[str, Any]:
@@ -254,7 +311,12 @@ class Found:
     step: int
     meta: dict[str, Any]
     size: int
-    hf_size: int | None
+    exports: dict[ExportFormat, ExportOut]
+
+    @property
+    def hf_size(self) -> int | None:
+        hf = self.exports.get("hf")
+        return hf.size_bytes if hf is not None and hf.status == "ready" else None
 
 
 def scan_checkpoints(runs_root: Path, job_id: str) -> list[Found]:
@@ -268,14 +330,18 @@ def scan_checkpoints(runs_root: Path, job_id: str) -> list[Found]:
             native = open_format(ck_fd, step, "native")
             if native is None:
                 continue  # pruned since it was listed
+            exports: dict[ExportFormat, ExportOut] = {}
             with _closing(native[0]) as step_fd:
                 meta = _meta(step_fd)
-            hf = open_format(ck_fd, step, "hf")
-            hf_size = None
-            if hf is not None:
-                os.close(hf[0])
-                hf_size = sum(e.size for e in hf[1])
-            found.append(Found(step, meta, sum(e.size for e in native[1]), hf_size))
+                for fmt in EXPORT_FORMATS:
+                    opened = open_format(ck_fd, step, fmt)
+                    if opened is not None:
+                        os.close(opened[0])
+                        size = sum(e.size for e in opened[1])
+                        exports[fmt] = ExportOut(status="ready", size_bytes=size)
+                    elif (reason := _failure(step_fd, fmt)) is not None:
+                        exports[fmt] = ExportOut(status="failed", reason=reason)
+            found.append(Found(step, meta, sum(e.size for e in native[1]), exports))
     return found
 
 
@@ -298,7 +364,8 @@ def checkpoint_list(session: Reader, job_id: str, found: list[Found]) -> Checkpo
                 strategy=meta.get("strategy") if isinstance(meta.get("strategy"), str) else None,
                 world_size=_number(meta.get("world_size"), int),
                 latest=f is found[-1],
-                formats=["native", "hf"] if f.hf_size is not None else ["native"],
+                formats=["native", *(k for k, e in f.exports.items() if e.status == "ready")],
+                exports=f.exports,
             )
         )
     return CheckpointList(job_id=job_id, items=items)

@@ -19,6 +19,7 @@ from service.api.checkpoints.files import (
     Format,
     checkpoint_list,
     checkpoints_dir,
+    export_failure,
     open_format,
     resolve_step,
     scan_checkpoints,
@@ -45,7 +46,8 @@ StepParam = Annotated[
 ]
 _ERRORS = errors(401, 404)
 _ERRORS[409] = {
-    "description": "the checkpoint has no Hugging Face folder (download format=native)",
+    "description": "the checkpoint has no folder of that format (its export failed, with the "
+    "reason; or none was written: download format=native)",
     "model": _ERRORS[404]["model"],
 }
 
@@ -70,7 +72,8 @@ async def job_checkpoints(
     job_id: JobId, services: ServicesDep, principal: PrincipalDep
 ) -> Response:
     """The job's complete checkpoints, oldest first: step, time, tokens seen, train and val
-    loss at that step, size, strategy, whether it is the latest, the formats it downloads as."""
+    loss at that step, size, strategy, whether it is the latest, the formats it downloads as,
+    and its exports (hf, peft: ready with their size, or failed with the reason)."""
     out = await run_in_threadpool(_list, services, principal, job_id)
     return Response(out.model_dump_json(), media_type="application/json")
 
@@ -89,14 +92,8 @@ def _archive(
             what = "no checkpoint yet" if step == "latest" else f"no checkpoint at step {step}"
             raise NotFound(f"job {job_id} has {what}")
         opened = open_format(ck_fd, found, fmt)
-        if opened is None and fmt == "hf" and _exists(ck_fd, found):
-            raise Conflict(
-                f"checkpoint step {found} of job {job_id} has no Hugging Face folder: the "
-                "trainer writes one for a finished run's last checkpoint (every checkpoint "
-                "with train.checkpoint.hf: every); download format=native into DIR and "
-                "convert it: `python -m trainer.export --run-dir DIR --checkpoint DIR "
-                "--format hf --out OUT`"
-            )
+        if opened is None and fmt != "native" and _exists(ck_fd, found):
+            raise Conflict(_no_export(ck_fd, job_id, found, fmt))
         if opened is None:
             raise NotFound(f"job {job_id} has no checkpoint at step {found} (pruned)")
     finally:
@@ -108,6 +105,26 @@ def _archive(
         archive.close()
         raise NotFound(f"job {job_id} has no checkpoint at step {found} (pruned)") from None
     return found, archive
+
+
+def _no_export(ck_fd: int, job_id: str, step: int, fmt: str) -> str:
+    """Why checkpoint ``step`` has no ``fmt`` folder, and what to do instead."""
+    what = f"checkpoint step {step} of job {job_id}"
+    reason = export_failure(ck_fd, step, fmt)
+    if reason is not None:
+        return f"the {fmt} export of {what} failed: {reason}"
+    if fmt == "peft":
+        return (
+            f"{what} has no PEFT adapter: the trainer writes one beside the hf folder for a "
+            "LoRA run; download format=native into DIR and convert it: `python -m "
+            "trainer.export --run-dir DIR --checkpoint DIR --format peft --out OUT`"
+        )
+    return (
+        f"{what} has no Hugging Face folder: the trainer writes one for a finished run's "
+        "last checkpoint (every checkpoint with train.checkpoint.hf: every); download "
+        "format=native into DIR and convert it: `python -m trainer.export --run-dir DIR "
+        "--checkpoint DIR --format hf --out OUT`"
+    )
 
 
 def _exists(ck_fd: int, step: int) -> bool:
@@ -138,7 +155,11 @@ class _ArchiveResponse(StreamingResponse):
 
 _DOWNLOAD = "/v1/jobs/{job_id}/checkpoints/{step}/download"
 FormatParam = Annotated[
-    Format, Query(description="native: the trainer's files; hf: the Hugging Face folder")
+    Format,
+    Query(
+        description="native: the trainer's files; hf: the Hugging Face folder; peft: a LoRA "
+        "run's adapter as PEFT writes it"
+    ),
 ]
 RangeHeader = Annotated[str | None, Header(alias="range", max_length=200)]
 IfRangeHeader = Annotated[str | None, Header(max_length=200)]
@@ -164,8 +185,11 @@ async def download_checkpoint(
     if_range: IfRangeHeader = None,
 ) -> Response:
     """A checkpoint as a tar archive streamed from its files (no copy made): ``native`` (what
-    a resume and ``trainer.export --checkpoint`` read) or ``hf`` (config.json and
-    model.safetensors for ``transformers``' from_pretrained). ``latest`` names the newest.
+    a resume and ``trainer.export --checkpoint`` read), ``hf`` (config.json,
+    model.safetensors and the tokenizer for ``transformers``' from_pretrained) or ``peft``
+    (a LoRA run's adapter_config.json and adapter_model.safetensors for
+    ``PeftModel.from_pretrained``). An export that failed is a 409 with its reason.
+    ``latest`` names the newest.
     Member names are relative (``tar -x -C DIR``); Content-Length is exact, and a single
     ``Range`` (with ``If-Range`` and the ETag) resumes a download."""
     return await _download(services, principal, job_id, step, format, range_, if_range)

@@ -2,6 +2,10 @@
 
 ``TRAINQ_GENERATE_MAX_PER_OWNER`` bounds them (more: 429 naming the setting): each holds a
 worker's generation thread or a place in its backlog, so one tenant cannot take them all.
+A completions call with a list of prompts is fanned out to one worker request per prompt:
+it takes as many of the owner's free slots as it has prompts (at least one, or 429) and runs
+that many requests at a time, the rest as earlier ones end. So a list never lets an owner
+past the limit, and a list longer than the limit still works (lm-eval's batches).
 The count used to live in one API process's memory, so N replicas let N times the limit
 through. Now it is a sorted set per owner (the key holds ``owner_hash``, never the name) of
 request slots scored by when each expires: one Lua script drops the expired, counts and
@@ -36,19 +40,24 @@ SLOT_MARGIN_S = 30.0  # a slot outlives the generation deadline (and the API's g
 RETRY_AFTER_S = 5
 OUTAGE_LOG_S = 60.0
 
-# KEYS[1]: the owner's set. ARGV: limit, the slot's life in ms, the slot's id. Returns 1
-# (taken) or 0 (at the limit, nothing added).
+# KEYS[1]: the owner's set. ARGV: limit, the slots' life in ms, the slots' id prefix, how
+# many are wanted. Returns how many were taken (0: at the limit, nothing added): as many as
+# are free, up to the number wanted, named prefix:1..taken.
 _TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+local free = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[1])
+local take = math.min(free, tonumber(ARGV[4]))
+if take <= 0 then
   return 0
 end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+for i = 1, take do
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[3] .. ':' .. i)
+end
 redis.call('PEXPIRE', KEYS[1], ttl)
-return 1
+return take
 """
 
 
@@ -76,14 +85,22 @@ class InFlight:
     async def take(self, owner: str) -> Callable[[], Awaitable[None]]:
         """Take one of ``owner``'s slots or raise TooManyRequests; the returned coroutine
         function gives it back (calling it again does nothing)."""
+        _, release = await self.take_up_to(owner, 1)
+        return release
+
+    async def take_up_to(self, owner: str, want: int) -> tuple[int, Callable[[], Awaitable[None]]]:
+        """Take as many of ``owner``'s free slots as there are, up to ``want`` (a call
+        fanned out to ``want`` worker requests runs that many at a time), or raise
+        TooManyRequests when none is free; returns how many, and the coroutine function
+        that gives them all back (calling it again does nothing)."""
         limit = int(self.settings.generate_max_per_owner)
         key, slot = self.key(owner), secrets.token_hex(8)
         try:
             life_ms = int(self.ttl_s() * 1000)
-            taken = int(await self._script(keys=[key], args=[limit, life_ms, slot]))
+            taken = int(await self._script(keys=[key], args=[limit, life_ms, slot, want]))
         except RedisError as exc:
             self._outage(exc)
-            taken, key = 1, ""
+            taken, key = min(want, limit), ""
         if not taken:
             raise TooManyRequests(
                 f"{owner!r} has {limit} generation requests in flight already"
@@ -98,11 +115,11 @@ class InFlight:
                 return
             released = True
             try:
-                await self.aredis.zrem(key, slot)
+                await self.aredis.zrem(key, *(f"{slot}:{i}" for i in range(1, taken + 1)))
             except RedisError as exc:  # the slot's expiry frees it
                 log.warning("generation slot of %r not released: %s", owner, exc)
 
-        return release
+        return taken, release
 
     def _outage(self, exc: Exception) -> None:
         now = time.monotonic()

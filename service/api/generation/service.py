@@ -1,5 +1,5 @@
-"""Generation requests: OpenAI's completions body, the checks the API makes before a worker
-sees it, and the relay of the worker's reply stream (the wire: ``worker.genmessage``).
+"""Generation requests: the checks the API makes before a worker sees one, and the relay
+of the worker's reply stream (the wire: ``worker.genmessage``).
 
 The API never loads torch or a tokenizer: it checks what it can from SQL and the shared
 folders (the job is the caller's, has a complete checkpoint, its queue has a live worker; a
@@ -11,16 +11,15 @@ event carrying the HTTP status, which becomes this request's answer.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import TypeAdapter, ValidationError
 from redis import RedisError
 from sqlalchemy import select
 
@@ -41,7 +40,6 @@ from service.api.scheduling.ratelimit import owner_hash
 from trainer.config import AnyModelConfig, ConfigError, resolve_data_path
 from trainer.tokenizer import BYTE, TokenizerError, dataset_tokenizer
 from worker.genmessage import (
-    LIMITS,
     GenerateRequest,
     cancel_key,
     decode_event,
@@ -50,22 +48,20 @@ from worker.genmessage import (
 )
 
 __all__ = [
-    "CompletionRequest",
     "GatewayTimeout",
-    "GenerateBody",
     "Relay",
+    "Target",
     "WorkerLost",
-    "prepare",
+    "check_length",
+    "checkpoint_steps",
+    "new_request",
+    "parse_model",
+    "resolve",
+    "seq_len_of",
 ]
 
-MODEL_PATTERN = r"^[0-9a-f]{1,32}(:[0-9]{1,10})?$"
 REQUEST_STREAM_MAXLEN = 10_000
 LIVENESS_S = 1.0  # how often a relay looks whether its worker is still in the registry
-
-TokenId = Annotated[int, Field(ge=0, lt=LIMITS.token_id)]
-PromptText = Annotated[str, StringConstraints(max_length=LIMITS.prompt_chars)]
-PromptIds = Annotated[list[TokenId], Field(max_length=LIMITS.prompt_ids)]
-StopString = Annotated[str, StringConstraints(min_length=1, max_length=LIMITS.stop_chars)]
 
 
 class GatewayTimeout(TrainqError):
@@ -87,70 +83,6 @@ class WorkerError(TrainqError):
         self.status_code = status if 400 <= status < 600 else 500
 
 
-class GenerateBody(BaseModel):
-    """The sampling parameters (OpenAI's names; ``top_k`` is an extension). ``stream``
-    answers Server-Sent Events as OpenAI streams them (``data: {...}``, ``data: [DONE]``)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: (
-        PromptText
-        | PromptIds
-        | Annotated[list[PromptText], Field(max_length=1)]
-        | Annotated[list[PromptIds], Field(max_length=1)]
-    ) = Field(description="text or token ids (or a list of one of those: a batch of one)")
-    max_tokens: int = Field(16, ge=1, le=LIMITS.max_tokens)
-    temperature: float = Field(1.0, ge=0, le=LIMITS.temperature)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=LIMITS.top_k, description="0: off (an extension of OpenAI's)")
-    seed: int | None = Field(None, ge=0, le=LIMITS.seed)
-    stop: StopString | Annotated[list[StopString], Field(max_length=LIMITS.stop_strings)] | None = (
-        None
-    )
-    n: int = Field(1, ge=1, le=LIMITS.n)
-    stream: bool = False
-    # OpenAI's {"include_usage": true}: a last chunk with the usage and no choices.
-    stream_options: dict[Literal["include_usage"], bool] | None = None
-    # OpenAI's fields that only their defaults are supported for (any other value: 422).
-    echo: bool = False
-    logprobs: None = None
-    best_of: int | None = Field(None, ge=1, le=LIMITS.n)
-    presence_penalty: float = Field(0.0, ge=0, le=0)
-    frequency_penalty: float = Field(0.0, ge=0, le=0)
-    user: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _supported(self) -> GenerateBody:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (or be left out)")
-        return self
-
-    def prompt_parts(self) -> tuple[str | None, list[int] | None]:
-        """(text, token ids): exactly one is set; InvalidInput for an empty prompt."""
-        p: Any = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            p = p[0]  # OpenAI's batch of one
-        if isinstance(p, str):
-            if not p:
-                raise InvalidInput.at(["body", "prompt"], "the prompt is empty")
-            return p, None
-        if not p:
-            raise InvalidInput.at(["body", "prompt"], "the prompt is empty")
-        return None, list(p)
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class CompletionRequest(GenerateBody):
-    """``POST /v1/completions``: ``model`` is a job id (its newest checkpoint) or
-    ``job:step``."""
-
-    model: str = Field(pattern=MODEL_PATTERN, description="a job id, or job_id:step")
-
-
 _MODEL: TypeAdapter[AnyModelConfig] = TypeAdapter(AnyModelConfig)
 
 
@@ -160,6 +92,12 @@ class Target:
     step: int | None
     queue: str
     seq_len: int
+    train: dict[str, Any]
+
+
+def seq_len_of(train: dict[str, Any] | None) -> int:
+    """The context of a job's model (``train.model.seq_len``)."""
+    return int(_MODEL.validate_python((train or {}).get("model") or {}).seq_len)
 
 
 def parse_model(model: str) -> tuple[str, int | None]:
@@ -167,7 +105,7 @@ def parse_model(model: str) -> tuple[str, int | None]:
     return job_id, (int(step) if step else None)
 
 
-def _steps(runs_root: Path, job_id: str) -> list[int]:
+def checkpoint_steps(runs_root: Path, job_id: str) -> list[int]:
     """Complete checkpoints' steps, read as the checkpoint routes read them: no link is
     followed (a run folder, checkpoints folder or step-N that is a link counts as none)."""
     ck_fd = checkpoints_dir(runs_root, job_id)
@@ -181,55 +119,54 @@ def _steps(runs_root: Path, job_id: str) -> list[int]:
         os.close(ck_fd)
 
 
-def prepare(
-    services: Services,
-    principal: Principal,
-    job_id: str,
-    step: int | None,
-    body: GenerateBody,
-) -> tuple[Target, GenerateRequest]:
-    """Every check the API can make (404, 409, 422), then the request to send."""
+def resolve(services: Services, principal: Principal, job_id: str, step: int | None) -> Target:
+    """The caller's job and checkpoint (404 not theirs or no such step, 409 none yet)."""
     with services.reader.connect() as conn:
         stmt = select(JOBS.c.queue, JOBS.c.train, JOBS.c.status).where(JOBS.c.id == job_id)
         if not principal.admin:
             stmt = stmt.where(JOBS.c.owner == principal.name)
         row = conn.execute(stmt).first()
     if row is None:
-        raise NotFound(f"job {job_id} not found")
+        raise NotFound(f"model {job_id} not found (no job of yours has this id)")
     queue, train, status = row
-    model = _MODEL.validate_python((train or {}).get("model") or {})
-    seq_len = int(model.seq_len)
-    steps = _steps(services.settings.runs_root, job_id)
+    steps = checkpoint_steps(services.settings.runs_root, job_id)
     if not steps:
         raise Conflict(f"job {job_id} ({status}) has no complete checkpoint yet")
     if step is not None and step not in steps:
         have = ", ".join(map(str, steps[-10:]))
         raise NotFound(f"job {job_id} has no checkpoint at step {step} (it has {have})")
-    text, ids = body.prompt_parts()
-    length = len(ids) if ids is not None else _byte_length(services, train, text)
-    if length is not None and length > seq_len:
+    return Target(job_id, step, queue, seq_len_of(train), train or {})
+
+
+def check_length(
+    services: Services, target: Target, text: str | None, ids: list[int] | None, loc: list[Any]
+) -> None:
+    """422 for a prompt longer than the context, where the API can count it (token ids, or
+    text of a byte-level dataset); the worker checks the rest."""
+    length = len(ids) if ids is not None else _byte_length(services, target.train, text)
+    if length is not None and length > target.seq_len:
         raise InvalidInput.at(
-            ["body", "prompt"], f"the prompt is {length} tokens; the model's context is {seq_len}"
+            loc, f"the prompt is {length} tokens; the model's context is {target.seq_len}"
         )
+
+
+def new_request(
+    services: Services, principal: Principal, target: Target, **fields: Any
+) -> GenerateRequest:
+    """A request to ``target`` (a fresh id, the owner's hash, the deadline); ``fields`` are
+    GenerateRequest's."""
     timeout = services.settings.generate_timeout_s
-    request = GenerateRequest(
-        id=secrets.token_hex(16),
-        job_id=job_id,
-        owner=owner_hash(principal.name),
-        step=step,
-        prompt=text,
-        prompt_ids=ids,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=body.stops(),
-        n=body.n,
-        stream=body.stream,
-        deadline=time.time() + timeout,
-    )
-    return Target(job_id, step, queue, seq_len), request
+    try:
+        return GenerateRequest(
+            id=secrets.token_hex(16),
+            job_id=target.job_id,
+            owner=owner_hash(principal.name),
+            step=target.step,
+            deadline=time.time() + timeout,
+            **fields,
+        )
+    except ValidationError as exc:  # the body's checks missed a bound: still the field's 422
+        raise InvalidInput.of_body("invalid generation request", exc) from exc
 
 
 def _byte_length(services: Services, train: dict[str, Any], text: str | None) -> int | None:
@@ -367,40 +304,9 @@ def _error(event: dict[str, Any]) -> TrainqError:
     return WorkerError(status, message)
 
 
-def completion_json(
-    request_id: str, model: str, start: dict[str, Any], end: dict[str, Any]
-) -> dict[str, Any]:
-    """OpenAI's ``text_completion`` object, plus ``token_ids`` per choice and ``trainq``
-    (the checkpoint's step, the model's load time, whether it was loaded already)."""
-    return {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"step-{start.get('step')}",
-        "choices": [
-            {
-                "index": c["index"],
-                "text": c["text"],
-                "logprobs": None,
-                "finish_reason": c["finish_reason"],
-                "token_ids": c["token_ids"],
-            }
-            for c in end["choices"]
-        ],
-        "usage": end["usage"],
-        "trainq": trainq_extra(start, end),
-    }
-
-
 def trainq_extra(start: dict[str, Any], end: dict[str, Any] | None = None) -> dict[str, Any]:
     out = {k: start.get(k) for k in ("step", "load_s", "cached")}
     if end is not None:
         out["generate_s"] = end.get("generate_s")
         out["seed"] = end.get("seed")
     return out
-
-
-def sse_chunk(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()

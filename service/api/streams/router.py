@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -31,12 +33,61 @@ from service.api.streams.sse import (
     sse_events,
 )
 
-__all__ = ["downsample", "router"]
+__all__ = ["downsample", "router", "stream_route"]
 
 router = APIRouter(tags=["jobs"])
 
 CSV_COLUMNS = ("step", "attempt", "ts", *METRIC_FIELDS)
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# The stream routes' inputs, bounded here once: the routes declare them, ``stream_route``
+# (the app's edge) recognises a stream request whose inputs those declarations accept.
+EVENTS_PATH, LOGS_PATH = "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/logs"
+EVENTS_TAIL_MAX, LOGS_TAIL_MAX, RANK_MAX, ATTEMPT_MAX, LAST_EVENT_ID_MAX = (
+    100_000,
+    1_000_000,
+    1_000_000,
+    1000,
+    64,
+)
+_STREAM = re.compile(r"/v1/jobs/[0-9a-f]{1,32}/(events|logs)")
+_DIGITS = re.compile(r"[0-9]{1,7}")
+_EDGE_QUERY = {
+    EVENTS_PATH: {"tail": (0, EVENTS_TAIL_MAX)},
+    LOGS_PATH: {"tail": (0, LOGS_TAIL_MAX), "rank": (0, RANK_MAX), "attempt": (1, ATTEMPT_MAX)},
+}
+
+
+def stream_route(path: str, query: bytes, last_event_id: list[bytes]) -> str | None:
+    """The route (``EVENTS_PATH`` or ``LOGS_PATH``) of a request that opens a stream and whose
+    inputs the route accepts as they are, or None. Conservative: anything unusual (a repeated
+    or unknown parameter, ``follow=yes``) is None, and the routed path answers it."""
+    match = _STREAM.fullmatch(path)
+    if match is None:
+        return None
+    route = EVENTS_PATH if match.group(1) == "events" else LOGS_PATH
+    if route == EVENTS_PATH and (
+        len(last_event_id) > 1 or any(len(v) > LAST_EVENT_ID_MAX for v in last_event_id)
+    ):
+        return None
+    try:
+        params = parse_qsl(query.decode("ascii"), keep_blank_values=True, strict_parsing=True)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    bounds = _EDGE_QUERY[route]
+    follow = route == EVENTS_PATH
+    seen: set[str] = set()
+    for name, value in params:
+        if name in seen:
+            return None
+        seen.add(name)
+        if route == LOGS_PATH and name == "follow" and value in ("true", "1"):
+            follow = True
+            continue
+        low, high = bounds.get(name, (1, 0))  # an unknown name: no value is in bounds
+        if _DIGITS.fullmatch(value) is None or not low <= int(value) <= high:
+            return None
+    return route if follow else None
 
 
 def downsample(points: list[Any], max_points: int) -> list[Any]:
@@ -58,8 +109,8 @@ def _require(services: Services, principal: Principal, job_id: str) -> None:
 
 def _slot(services: Services, principal: Principal) -> Callable[[], None]:
     """Count a new stream against the stream limits before anything else (a 429 beyond):
-    a refused stream costs no SQL, no thread-pool hop and no Redis call, so a burst of
-    refusals cannot crowd out the process's other requests (``/healthz`` included)."""
+    a refused stream costs no SQL, no thread-pool hop and no Redis call. Most refusals do
+    not get here: the app's edge gives the same 429 before routing (``stream_route``)."""
     return services.hub.admit(principal.name)
 
 
@@ -209,7 +260,7 @@ def _log_tail(
 
 
 @router.get(
-    "/v1/jobs/{job_id}/logs",
+    LOGS_PATH,
     response_class=Response,
     responses={
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
@@ -221,10 +272,10 @@ async def job_logs(
     job_id: JobId,
     services: ServicesDep,
     principal: PrincipalDep,
-    tail: Annotated[int | None, Query(ge=0, le=1_000_000)] = None,
+    tail: Annotated[int | None, Query(ge=0, le=LOGS_TAIL_MAX)] = None,
     follow: bool = False,
-    rank: Annotated[int | None, Query(ge=0, le=1_000_000)] = None,
-    attempt: Annotated[int | None, Query(ge=1, le=1000)] = None,
+    rank: Annotated[int | None, Query(ge=0, le=RANK_MAX)] = None,
+    attempt: Annotated[int | None, Query(ge=1, le=ATTEMPT_MAX)] = None,
 ) -> Response:
     """Log lines as text, one per line tagged with its attempt and rank (``[a1 rank 0]``);
     follow=true keeps streaming until the end."""
@@ -257,7 +308,7 @@ async def job_logs(
 
 
 @router.get(
-    "/v1/jobs/{job_id}/events",
+    EVENTS_PATH,
     response_class=StreamingResponse,
     responses={
         200: {
@@ -272,10 +323,12 @@ async def job_events(
     job_id: JobId,
     services: ServicesDep,
     principal: PrincipalDep,
-    last_event_id: Annotated[str | None, Header(max_length=64)] = None,
+    last_event_id: Annotated[str | None, Header(max_length=LAST_EVENT_ID_MAX)] = None,
     tail: Annotated[
         int | None,
-        Query(ge=0, le=100_000, description="replay only the last N events (no Last-Event-ID)"),
+        Query(
+            ge=0, le=EVENTS_TAIL_MAX, description="replay only the last N events (no Last-Event-ID)"
+        ),
     ] = None,
 ) -> StreamingResponse:
     """Server-Sent Events of a job; the id is the Redis entry id, so Last-Event-ID resumes."""

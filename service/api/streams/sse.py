@@ -251,27 +251,38 @@ class StreamHub:
         self.max_streams = max_streams
         self.max_per_owner = max_per_owner
         self.open: dict[str, int] = {}  # open followers by owner
+        self.total = 0  # their sum: a refusal costs no pass over every owner
 
-    def admit(self, owner: str) -> Callable[[], None]:
-        """Count a new stream of ``owner``, or refuse it; the returned function (idempotent)
-        uncounts it."""
-        if sum(self.open.values()) >= self.max_streams:
-            raise TooManyRequests(
+    def refusal(self, owner: str) -> TooManyRequests | None:
+        """Why a new stream of ``owner`` would be refused now, or None. ``admit`` counts by
+        this; the app's edge asks it too, to refuse before routing (``service.api.app``)."""
+        if self.total >= self.max_streams:
+            return TooManyRequests(
                 f"this API process has {self.max_streams} open streams; try again shortly"
             )
         if self.open.get(owner, 0) >= self.max_per_owner:
-            raise TooManyRequests(
+            return TooManyRequests(
                 f"{owner!r} has {self.max_per_owner} open streams already"
                 " (TRAINQ_SSE_MAX_STREAMS_PER_OWNER); close one first",
                 retry_after=10,
             )
+        return None
+
+    def admit(self, owner: str) -> Callable[[], None]:
+        """Count a new stream of ``owner``, or refuse it (``refusal``); the returned function
+        (idempotent) uncounts it."""
+        refused = self.refusal(owner)
+        if refused is not None:
+            raise refused
         self.open[owner] = self.open.get(owner, 0) + 1
+        self.total += 1
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                self.total -= 1
                 left = self.open.get(owner, 1) - 1
                 if left > 0:
                     self.open[owner] = left

@@ -54,9 +54,8 @@ export function generateBox(jobId, signal) {
       if (res.status === 401) authNeeded(401);
       if (!res.ok) {
         const err = await res.json().catch(() => ({}));
-        const d = err.detail;
-        const text = Array.isArray(d) ? d.map((x) => `${(x.loc || []).join(".")}: ${x.msg}`)
-          .join("; ") : d || `HTTP ${res.status}`;
+        // /v1/completions answers errors in OpenAI's shape, {"error": {"message", "param"}}
+        const text = (err.error && err.error.message) || `HTTP ${res.status}`;
         show(text, true);
         return;
       }
