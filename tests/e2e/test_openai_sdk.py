@@ -321,8 +321,8 @@ def test_lm_evals_local_completions_scores_as_the_checkpoint(
 
 
 def test_a_list_longer_than_the_owners_cap_runs_within_it(oai: Oai) -> None:
-    """TRAINQ_GENERATE_MAX_PER_OWNER 1: a list of three prompts holds one slot and sends
-    its requests one at a time, all answered, each as it is alone."""
+    """TRAINQ_GENERATE_MAX_PER_OWNER 1: a list of three prompts holds the one slot, all
+    answered, each as it is alone."""
     oai.system.env["TRAINQ_GENERATE_MAX_PER_OWNER"] = "1"
     try:
         narrow = oai.system.start_api(auth=True)

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     generate_timeout_s: float = Field(120.0, gt=0, le=3600)
     # Generation requests one owner may have in flight on one API process (more: 429).
     generate_max_per_owner: int = Field(8, ge=1)
+    # A completions call with a list of prompts: how many of its worker requests are sent at
+    # once (the rest as earlier ones end); the call holds one in-flight slot however many.
+    generate_fanout: int = Field(8, ge=1, le=64)
     # A dataset upload whose body sends nothing for this long is cut (408); and one that has
     # not ended this long after it began, however steadily it sends (408).
     dataset_upload_idle_s: float = Field(60.0, gt=0)

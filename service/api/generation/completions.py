@@ -150,15 +150,14 @@ async def complete(
     step: int | None,
     body: GenerateBody,
 ) -> Response:
-    want = len(body.prompts())
-    slots, release = await services.inflight.take_up_to(principal.name, want)
+    release = await services.inflight.take(principal.name)  # one slot a call (inflight.py)
     streaming = False
     try:
         target, requests = await run_in_threadpool(
             _requests, services, principal, job_id, step, body
         )
         locs = [loc for loc, _, _ in body.prompts()]
-        fanout = Fanout(services, target, requests, slots, locs)
+        fanout = Fanout(services, target, requests, services.settings.generate_fanout, locs)
         if not body.stream:
             return json_response(_completion(requests[0].id, model, body, await fanout.collect()))
         events = fanout.events()

@@ -1,6 +1,6 @@
 """One OpenAI call as several worker requests (a completions call with a list of prompts:
 one ``GenerateRequest`` per prompt), sent concurrently so the worker can batch them, at most
-``slots`` at a time (the owner's in-flight slots the call holds,
+``slots`` at a time (``TRAINQ_GENERATE_FANOUT``; the call holds one in-flight slot,
 ``service.api.generation.inflight``).
 
 ``Fanout.events()`` merges the requests' reply events as they come, each tagged with its

@@ -2,10 +2,13 @@
 
 ``TRAINQ_GENERATE_MAX_PER_OWNER`` bounds them (more: 429 naming the setting): each holds a
 worker's generation thread or a place in its backlog, so one tenant cannot take them all.
-A completions call with a list of prompts is fanned out to one worker request per prompt:
-it takes as many of the owner's free slots as it has prompts (at least one, or 429) and runs
-that many requests at a time, the rest as earlier ones end. So a list never lets an owner
-past the limit, and a list longer than the limit still works (lm-eval's batches).
+A call is one slot, however many prompts it carries: a completions call with a list of
+prompts is fanned out to one worker request per prompt, ``TRAINQ_GENERATE_FANOUT`` (8) at a
+time, the rest as earlier ones end. Counting calls, as OpenAI and vLLM count requests, lets
+an evaluation harness run as many concurrent batched calls as the limit without a 429 (when
+a call took a slot per prompt, lm-eval's second concurrent batch of 8 found none left); one
+owner then has at most limit x fan-out worker requests queued, and the worker serves owners
+in turn (``worker.genqueue``), so they do not delay another owner's.
 The count used to live in one API process's memory, so N replicas let N times the limit
 through. Now it is a sorted set per owner (the key holds ``owner_hash``, never the name) of
 request slots scored by when each expires: one Lua script drops the expired, counts and
