@@ -431,6 +431,7 @@ class HFTokenizer:
         config = _json_file(path.parent / "tokenizer_config.json")
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
+        self.pad_token = _token_content(config.get("pad_token"))
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name", "template"}]: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

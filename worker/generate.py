@@ -401,6 +401,7 @@ class GenerationServer:
                 "count": len(ids),
                 "max_model_len": context_length(loaded.model),
                 "token_strs": [tok.token_str(t) for t in ids],
+                "tokenizer": _tokenizer_info(tok),
             })  # fmt: skip
             return
         ids = list(req.prompt_ids or [])
@@ -623,3 +624,17 @@ def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
     except ChatTemplateError as exc:
         field = "chat_template" if req.chat_template else "messages"
         raise GenerateError(422, str(exc), ["body", field]) from None
+
+
+def _tokenizer_info(tok: Any) -> dict[str, Any]:
+    """What ``/tokenizer_info`` tells of ``tok``: its special tokens (None where it has
+    none: bytes have none) and the chat template the chat route renders with (its own, else
+    trainq's default), so a client that renders chats itself renders them the same."""
+    from trainer.chat import DEFAULT_TEMPLATE
+
+    return {
+        "bos_token": getattr(tok, "bos_token", None),
+        "eos_token": getattr(tok, "eos_token", None),
+        "pad_token": getattr(tok, "pad_token", None),
+        "chat_template": getattr(tok, "chat_template", None) or DEFAULT_TEMPLATE,
+    }

@@ -268,6 +268,12 @@ def test_lm_evals_remote_tokenizer_uses_a_models_base_url(oai: Oai) -> None:
     info = remote.tokenizer_info
     assert info["model_max_length"] == SEQ_LEN
     assert info["eos_token"] is None and remote.eos_token_id is None, "bytes have no EOS"
+    # the template the chat route renders with, so lm-eval's own rendering of a chat matches
+    from trainer.chat import DEFAULT_TEMPLATE, render
+
+    chat = [{"role": "user", "content": "Hi ✓"}]
+    assert info["chat_template"] == DEFAULT_TEMPLATE
+    assert remote.apply_chat_template(chat) == render(DEFAULT_TEMPLATE, chat)
 
 
 def test_bad_parameters_carry_param_and_code(oai: Oai) -> None:

@@ -86,20 +86,17 @@ async def _detokenize(
 async def _info(
     services: Services, principal: Principal, model: str | None, path: str | None
 ) -> Response:
-    start, _ = await _ask(services, principal, model, path, kind="tokenize", prompt="a",
-                          add_special_tokens=False)  # fmt: skip
-    eos_ids = [int(i) for i in start.get("eos") or []]
-    eos = None
-    if eos_ids:
-        _, end = await _ask(services, principal, model, path, kind="detokenize",
-                            prompt_ids=eos_ids[:1])  # fmt: skip
-        eos = end.get("prompt") or None
+    start, end = await _ask(services, principal, model, path, kind="tokenize", prompt="a",
+                            add_special_tokens=False)  # fmt: skip
+    info = end.get("tokenizer") or {}
+    text = {k: v if isinstance(v, str) else None for k, v in info.items()}
     return json_response({
         "tokenizer_class": "trainq",
-        "eos_token": eos,
-        "bos_token": None,
-        "pad_token": None,
-        "chat_template": None,  # rendered on the worker; see /v1/chat/completions
+        "eos_token": text.get("eos_token"),
+        "bos_token": text.get("bos_token"),
+        "pad_token": text.get("pad_token"),
+        # the template /v1/chat/completions renders with (the tokenizer's, else the default)
+        "chat_template": text.get("chat_template"),
         "model_max_length": start.get("context"),
     })  # fmt: skip
 
