@@ -610,9 +610,12 @@ def _check_ids(ids: list[int], vocab: int, loc: list[str | int]) -> None:
 def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
     """``req.messages`` rendered with a chat template (``trainer.chat``): the request's
     ``chat_template``, else the tokenizer's own, else ``trainer.chat.DEFAULT_TEMPLATE``
-    (ChatML). A template that fails is the request's 422, naming ``chat_template`` when the
-    request sent it, else ``messages`` (the tokenizer's template refused them)."""
-    from trainer.chat import DEFAULT_TEMPLATE, ChatTemplateError, render
+    (ChatML), in ``trainer.chat_sandbox``'s child process (a template may burn CPU or
+    memory; the worker must not). A template that fails, or overruns that child's time or
+    memory, is the request's 422, naming ``chat_template`` when the request sent it, else
+    ``messages`` (the tokenizer's template refused them)."""
+    from trainer.chat import DEFAULT_TEMPLATE, ChatTemplateError
+    from trainer.chat_sandbox import render_isolated
 
     tok = loaded.tokenizer
     own = getattr(tok, "chat_template", None)
@@ -620,7 +623,9 @@ def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
     bos = getattr(tok, "bos_token", None) or ""
     eos = getattr(tok, "eos_token", None) or ""
     try:
-        return render(template, list(req.messages or []), req.add_generation_prompt, bos, eos)
+        return render_isolated(
+            template, list(req.messages or []), req.add_generation_prompt, bos, eos
+        )
     except ChatTemplateError as exc:
         field = "chat_template" if req.chat_template else "messages"
         raise GenerateError(422, str(exc), ["body", field]) from None
