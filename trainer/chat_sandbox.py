@@ -16,6 +16,7 @@ each takes milliseconds unless it is one of these.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -96,6 +97,7 @@ def _read_line(fd: int, deadline: float) -> bytes | None:
 
 
 _CHILD = _Child()
+atexit.register(_CHILD.kill)
 
 
 def render_isolated(
