@@ -622,13 +622,16 @@ def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
     template = req.chat_template or own or DEFAULT_TEMPLATE
     bos = getattr(tok, "bos_token", None) or ""
     eos = getattr(tok, "eos_token", None) or ""
+    field = "chat_template" if req.chat_template else "messages"
     try:
-        return render_isolated(
+        text = render_isolated(
             template, list(req.messages or []), req.add_generation_prompt, bos, eos
         )
     except ChatTemplateError as exc:
-        field = "chat_template" if req.chat_template else "messages"
         raise GenerateError(422, str(exc), ["body", field]) from None
+    if not text:  # the body has no prompt to name: what rendered to nothing
+        raise GenerateError(422, "the chat template renders an empty prompt", ["body", field])
+    return text
 
 
 def _tokenizer_info(tok: Any) -> dict[str, Any]:
