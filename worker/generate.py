@@ -491,13 +491,12 @@ class GenerationServer:
             prompt = list(req.prompt_ids or [])
         if not prompt:
             raise GenerateError(422, "the prompt is empty", ["body", "prompt"])
-        _check_ids(prompt, _vocab(model), ["body", "prompt"])
+        loc: list[str | int] = ["body", "messages" if req.kind == "chat" else "prompt"]
+        _check_ids(prompt, _vocab(model), loc)
         limit = context_length(model)
         if len(prompt) > limit:
             raise GenerateError(
-                422,
-                f"the prompt is {len(prompt)} tokens; the model's context is {limit}",
-                ["body", "prompt"],
+                422, f"the prompt is {len(prompt)} tokens; the model's context is {limit}", loc
             )
         params = Sampling(
             max_tokens=req.max_tokens,
