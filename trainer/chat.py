@@ -20,7 +20,9 @@ tokenizer without these as special tokens, the markers are plain text the model 
 any other.
 
 A template that fails (a syntax error, ``raise_exception``, the sandbox refusing an
-attribute) raises ``ChatTemplateError`` with one line saying why.
+attribute or a range, recursion too deep) raises ``ChatTemplateError`` with one line saying
+why. The sandbox bounds no CPU or memory: a template a tenant sent is rendered by
+``trainer.chat_sandbox`` in a child process with a time and memory limit.
 
 Training on conversations (``trainer.sft``) needs to know which characters the assistant
 said: :func:`render_spans` renders a whole conversation (no generation prompt) and returns
@@ -85,7 +87,7 @@ def _compile(template: str, spans: bool = False) -> Any:
     env.globals["raise_exception"] = _raise
     try:
         return env.from_string(template)
-    except TemplateError as exc:
+    except (TemplateError, RecursionError, ValueError, TypeError, ArithmeticError) as exc:
         raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
 
 
@@ -97,8 +99,6 @@ def render(
     eos_token: str = "",
 ) -> str:
     """The prompt ``template`` (``DEFAULT_TEMPLATE`` when None) makes of ``messages``."""
-    from jinja2 import TemplateError
-
     compiled = _compile(template if template is not None else DEFAULT_TEMPLATE)
     try:
         return str(
@@ -111,7 +111,7 @@ def render(
         )
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+    except Exception as exc:  # a sandbox refusal, a range too big, recursion too deep, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ChatTemplateError(f"the chat template failed: {first}") from None
 
@@ -161,8 +161,6 @@ def _generation_extension() -> Any:
 def _marked_spans(
     template: str, messages: list[dict[str, Any]], bos_token: str, eos_token: str
 ) -> tuple[str, list[tuple[int, int]]]:
-    from jinja2 import TemplateError
-
     compiled = _compile(template, spans=True)
     blocks: list[str] = []
     _TRACK.blocks, _TRACK.spans = blocks, []
@@ -175,7 +173,7 @@ def _marked_spans(
         return "".join(blocks), list(_TRACK.spans)
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+    except Exception as exc:  # a sandbox refusal, a range too big, recursion too deep, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ChatTemplateError(f"the chat template failed: {first}") from None
     finally:

@@ -99,6 +99,8 @@ def check_line(fmt: str, raw: bytes) -> dict[str, Any] | None:
         raise LineError("not_utf8", f"is not UTF-8 (byte 0x{raw[exc.start]:02x})") from None
     except ValueError as exc:
         raise LineError("malformed_json", f"is not JSON ({exc})") from None
+    except RecursionError:  # [[[[... past the interpreter's depth
+        raise LineError("malformed_json", "is JSON nested too deeply") from None
     if fmt == "completion":
         if not isinstance(record, dict):
             raise LineError("bad_shape", 'is not {"prompt": ..., "completion": ...}')

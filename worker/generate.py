@@ -491,13 +491,12 @@ class GenerationServer:
             prompt = list(req.prompt_ids or [])
         if not prompt:
             raise GenerateError(422, "the prompt is empty", ["body", "prompt"])
-        _check_ids(prompt, _vocab(model), ["body", "prompt"])
+        loc: list[str | int] = ["body", "messages" if req.kind == "chat" else "prompt"]
+        _check_ids(prompt, _vocab(model), loc)
         limit = context_length(model)
         if len(prompt) > limit:
             raise GenerateError(
-                422,
-                f"the prompt is {len(prompt)} tokens; the model's context is {limit}",
-                ["body", "prompt"],
+                422, f"the prompt is {len(prompt)} tokens; the model's context is {limit}", loc
             )
         params = Sampling(
             max_tokens=req.max_tokens,
@@ -610,20 +609,28 @@ def _check_ids(ids: list[int], vocab: int, loc: list[str | int]) -> None:
 def _chat_prompt(req: GenerateRequest, loaded: Loaded) -> str:
     """``req.messages`` rendered with a chat template (``trainer.chat``): the request's
     ``chat_template``, else the tokenizer's own, else ``trainer.chat.DEFAULT_TEMPLATE``
-    (ChatML). A template that fails is the request's 422, naming ``chat_template`` when the
-    request sent it, else ``messages`` (the tokenizer's template refused them)."""
-    from trainer.chat import DEFAULT_TEMPLATE, ChatTemplateError, render
+    (ChatML), in ``trainer.chat_sandbox``'s child process (a template may burn CPU or
+    memory; the worker must not). A template that fails, or overruns that child's time or
+    memory, is the request's 422, naming ``chat_template`` when the request sent it, else
+    ``messages`` (the tokenizer's template refused them)."""
+    from trainer.chat import DEFAULT_TEMPLATE, ChatTemplateError
+    from trainer.chat_sandbox import render_isolated
 
     tok = loaded.tokenizer
     own = getattr(tok, "chat_template", None)
     template = req.chat_template or own or DEFAULT_TEMPLATE
     bos = getattr(tok, "bos_token", None) or ""
     eos = getattr(tok, "eos_token", None) or ""
+    field = "chat_template" if req.chat_template else "messages"
     try:
-        return render(template, list(req.messages or []), req.add_generation_prompt, bos, eos)
+        text = render_isolated(
+            template, list(req.messages or []), req.add_generation_prompt, bos, eos
+        )
     except ChatTemplateError as exc:
-        field = "chat_template" if req.chat_template else "messages"
         raise GenerateError(422, str(exc), ["body", field]) from None
+    if not text:  # the body has no prompt to name: what rendered to nothing
+        raise GenerateError(422, "the chat template renders an empty prompt", ["body", field])
+    return text
 
 
 def _tokenizer_info(tok: Any) -> dict[str, Any]:

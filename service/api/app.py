@@ -11,6 +11,7 @@ message, request validation as 422 naming the field; nothing leaks a traceback.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import re
 import sys
@@ -128,7 +129,7 @@ class EdgeMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await _send_413(send, limit)
+                    await _send_413(send, limit, scope["path"])
                     return
         seen = 0
 
@@ -234,8 +235,13 @@ class StreamRefusal:
         return route, response.status_code
 
 
-async def _send_413(send: Send, limit: int) -> None:
-    body = b'{"detail":"request body is larger than %d bytes"}' % limit
+async def _send_413(send: Send, limit: int, path: str) -> None:
+    """413 before the app runs: in OpenAI's shape on its routes, as every other error there."""
+    message = f"request body is larger than {limit} bytes"
+    payload: dict[str, Any] = {"detail": message}
+    if openai_errors.is_openai_path(path):
+        payload = openai_errors.error_body(413, message)
+    body = json.dumps(payload, separators=(",", ":")).encode()
     await send(
         {
             "type": "http.response.start",

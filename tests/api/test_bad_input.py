@@ -149,6 +149,13 @@ def test_body_over_the_limit_is_413(api: Api) -> None:
 
     streamed = api.client.post("/v1/jobs", content=chunks(), headers=api.headers())
     assert streamed.status_code == 413
+    # On the OpenAI routes, in OpenAI's shape either way (its SDK reads error.message).
+    for path in ["/v1/chat/completions", "/models/ab/v1/completions"]:
+        for content in (big, chunks()):
+            resp = api.client.post(path, content=content, headers=api.headers())
+            error = resp.json()["error"]
+            assert resp.status_code == 413 and "larger than" in error["message"], path
+            assert error["code"] == "request_too_large"
 
 
 def test_bad_query_parameters(api: Api) -> None:

@@ -290,6 +290,18 @@ def test_bad_parameters_carry_param_and_code(oai: Oai) -> None:
             extra_body={"chat_template": "{{ raise_exception('no users here') }}"},
         )  # fmt: skip
     assert "no users here" in err.value.message and err.value.param == "chat_template"
+    with pytest.raises(openai.BadRequestError) as err:  # a chat has no "prompt" to name
+        oai.client.chat.completions.create(
+            model=oai.job_id, messages=[{"role": "user", "content": "x" * (SEQ_LEN + 1)}]
+        )
+    assert err.value.param == "messages" and "context" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # burns CPU: stopped, the worker lives
+        oai.client.chat.completions.create(
+            model=oai.job_id, messages=[{"role": "user", "content": "a"}],
+            extra_body={"chat_template": "{{ (9**9)**(9**9) }}"},
+        )  # fmt: skip
+    assert err.value.param == "chat_template" and "longer than" in err.value.message
+    assert oai.client.completions.create(model=oai.job_id, prompt="a", max_tokens=1).choices
 
 
 def test_lm_evals_local_completions_scores_as_the_checkpoint(

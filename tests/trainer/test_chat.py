@@ -87,3 +87,8 @@ def test_a_failing_or_hostile_template_is_one_line_error() -> None:
         render("{{ ''.__class__.__mro__[1].__subclasses__() }}", MESSAGES)
     with pytest.raises(ChatTemplateError):  # immutable: a template cannot change its input
         render("{% set _ = messages.append(1) %}", MESSAGES)
+    # What the sandbox raises beyond TemplateError is the template's failure too, not a 500.
+    with pytest.raises(ChatTemplateError, match="Range too big"):  # OverflowError
+        render("{% for i in range(10**9) %}x{% endfor %}", MESSAGES)
+    with pytest.raises(ChatTemplateError, match="recursion"):  # RecursionError
+        render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", MESSAGES)

@@ -138,6 +138,7 @@ def test_bad_lines_are_listed_with_their_numbers_and_reasons(tmp_path: Path) -> 
             '{"role": "assistant", "content": "y"}]}',
             "not_utf8",
         ),
+        ("chat", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "malformed_json"),
     ],
 )
 def test_each_check_has_its_reason(fmt: str, line: str, reason: str) -> None:

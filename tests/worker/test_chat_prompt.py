@@ -68,3 +68,11 @@ def test_a_failing_template_is_a_422_naming_its_field(tmp_path: Path, mine: bool
         _chat_prompt(_request(chat_template=bad) if mine else _request(), loaded)
     assert err.value.status == 422 and "only users here" in err.value.message
     assert err.value.loc == ["body", "chat_template" if mine else "messages"]
+
+
+def test_a_template_that_renders_nothing_names_the_template(tmp_path: Path) -> None:
+    """The sandbox renders a refused attribute as nothing: no "prompt" to name in a chat."""
+    loaded = _loaded(tmp_path / "empty", None)
+    with pytest.raises(GenerateError) as err:
+        _chat_prompt(_request(chat_template="{{ ''.__class__ }}"), loaded)
+    assert err.value.status == 422 and err.value.loc == ["body", "chat_template"]
