@@ -493,6 +493,7 @@ class GenerationServer:
             raise GenerateError(422, "the prompt is empty", ["body", "prompt"])
         loc: list[str | int] = ["body", "messages" if req.kind == "chat" else "prompt"]
         _check_ids(prompt, _vocab(model), loc)
+        _check_ids(list(req.logit_bias), _vocab(model), ["body", "logit_bias"])
         limit = context_length(model)
         if len(prompt) > limit:
             raise GenerateError(

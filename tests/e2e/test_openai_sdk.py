@@ -302,6 +302,12 @@ def test_bad_parameters_carry_param_and_code(oai: Oai) -> None:
         )  # fmt: skip
     assert err.value.param == "chat_template" and "longer than" in err.value.message
     assert oai.client.completions.create(model=oai.job_id, prompt="a", max_tokens=1).choices
+    with pytest.raises(openai.BadRequestError) as err:  # the worker knows the vocabulary
+        oai.client.completions.create(model=oai.job_id, prompt="a", logit_bias={"300": 5})
+    assert err.value.param == "logit_bias" and "vocabulary" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # what one call may cost: prompts x n
+        oai.client.completions.create(model=oai.job_id, prompt=["a"] * 64, n=16, max_tokens=1)
+    assert err.value.param == "n" and "1024 sequences" in err.value.message
 
 
 def test_lm_evals_local_completions_scores_as_the_checkpoint(

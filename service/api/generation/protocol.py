@@ -31,6 +31,8 @@ __all__ = [
 
 MODEL_PATTERN = r"^[0-9a-f]{1,32}(:[0-9]{1,10})?$"
 MAX_PROMPTS = 64  # prompts in one completions call (one worker request each)
+# sequences one completions call asks for (prompts x n): what one call may cost the workers
+MAX_SEQUENCES = 256
 
 TokenId = Annotated[int, Field(ge=0, lt=LIMITS.token_id)]
 PromptText = Annotated[str, StringConstraints(max_length=LIMITS.prompt_chars)]
@@ -113,6 +115,14 @@ class GenerateBody(Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise InvalidInput.at(
                 ["body", "max_tokens"], "max_tokens 0 asks for nothing without echo"
+            )
+        p: Any = self.prompt
+        count = len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1
+        if count * self.n > MAX_SEQUENCES:
+            raise InvalidInput.at(
+                ["body", "n"],
+                f"{count} prompts x n {self.n} is {count * self.n} sequences; one call may ask "
+                f"for {MAX_SEQUENCES}",
             )
         return self
 
