@@ -34,7 +34,7 @@ from service.api.generation.edge import (
 )
 from service.api.generation.fanout import Fanout
 from service.api.generation.protocol import MODEL_PATTERN, ChatRequest
-from service.api.generation.responses import RESPONSES
+from service.api.generation.responses import OPENAI_RESPONSES
 from service.api.generation.service import Target, new_request, resolve, trainq_extra
 from worker.genmessage import GenerateRequest
 
@@ -45,7 +45,9 @@ router = APIRouter(tags=["openai"])
 Record = dict[str, Any]
 
 
-@router.post("/v1/chat/completions", responses=RESPONSES, openapi_extra=body_doc(ChatRequest))
+@router.post(
+    "/v1/chat/completions", responses=OPENAI_RESPONSES, openapi_extra=body_doc(ChatRequest)
+)
 async def chat_completions(
     request: Request, services: ServicesDep, principal: PrincipalDep
 ) -> Response:
@@ -57,7 +59,7 @@ async def chat_completions(
 
 @router.post(
     "/models/{model}/v1/chat/completions",
-    responses=RESPONSES,
+    responses=OPENAI_RESPONSES,
     openapi_extra=body_doc(ChatRequest),
 )
 async def model_chat_completions(

@@ -42,7 +42,7 @@ from service.api.generation.protocol import (
     CompletionRequest,
     GenerateBody,
 )
-from service.api.generation.responses import RESPONSES
+from service.api.generation.responses import OPENAI_RESPONSES, RESPONSES
 from service.api.generation.service import (
     Target,
     check_length,
@@ -60,7 +60,9 @@ jobs_router = APIRouter(tags=["generate"])
 Record = dict[str, Any]
 
 
-@router.post("/v1/completions", responses=RESPONSES, openapi_extra=body_doc(CompletionRequest))
+@router.post(
+    "/v1/completions", responses=OPENAI_RESPONSES, openapi_extra=body_doc(CompletionRequest)
+)
 async def completions(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     """Generate from a job's checkpoint: ``model`` is the job id (its newest checkpoint) or
     ``job_id:step``. OpenAI's completions API: prompt (text, token ids, or a list of
@@ -73,7 +75,7 @@ async def completions(request: Request, services: ServicesDep, principal: Princi
 
 @router.post(
     "/models/{model}/v1/completions",
-    responses=RESPONSES,
+    responses=OPENAI_RESPONSES,
     openapi_extra=body_doc(CompletionRequest),
 )
 async def model_completions(

@@ -27,9 +27,15 @@ from service.api.core.errors import Conflict, NotFound
 from service.api.core.models import JOBS, TERMINAL
 from service.api.generation.edge import json_response
 from service.api.generation.protocol import MODEL_PATTERN
+from service.api.generation.responses import OPENAI_RESPONSES
 from service.api.generation.service import checkpoint_steps, parse_model, resolve, seq_len_of
 
 __all__ = ["LIST_JOBS", "router"]
+
+# OpenAI's error shape; the answer itself is JSON
+MODEL_RESPONSES: dict[int | str, Any] = {
+    k: v for k, v in OPENAI_RESPONSES.items() if k not in (200, 502, 504)
+}
 
 router = APIRouter(tags=["openai"])
 
@@ -85,7 +91,7 @@ def _retrieve(services: Services, principal: Principal, model: str) -> dict[str,
     return _card(model, job_id, owner, _unix(ended_at or created_at), seq_len_of(train))
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=MODEL_RESPONSES)
 async def list_models(services: ServicesDep, principal: PrincipalDep) -> Response:
     """The caller's finished jobs with complete checkpoints, as models (``JOB``,
     ``JOB:STEP``)."""
@@ -93,7 +99,7 @@ async def list_models(services: ServicesDep, principal: PrincipalDep) -> Respons
     return json_response({"object": "list", "data": cards})
 
 
-@router.get("/v1/models/{model}")
+@router.get("/v1/models/{model}", responses=MODEL_RESPONSES)
 async def retrieve_model(model: str, services: ServicesDep, principal: PrincipalDep) -> Response:
     """One model (a job id, or ``job_id:step``); 404 ``model_not_found`` if it is not the
     caller's or has no such checkpoint."""

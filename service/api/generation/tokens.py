@@ -25,7 +25,7 @@ from service.api.core.errors import InvalidInput
 from service.api.generation.edge import body_doc, json_response, model_of, read_body
 from service.api.generation.fanout import Fanout
 from service.api.generation.protocol import MODEL_PATTERN, DetokenizeRequest, TokenizeRequest
-from service.api.generation.responses import RESPONSES
+from service.api.generation.responses import OPENAI_RESPONSES
 from service.api.generation.service import new_request, resolve
 
 __all__ = ["router"]
@@ -101,13 +101,13 @@ async def _info(
     })  # fmt: skip
 
 
-@router.post("/tokenize", responses=RESPONSES, openapi_extra=body_doc(TokenizeRequest))
+@router.post("/tokenize", responses=OPENAI_RESPONSES, openapi_extra=body_doc(TokenizeRequest))
 async def tokenize(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     """The model's tokenizer on ``prompt`` (vLLM's route)."""
     return await _tokenize(request, services, principal, None)
 
 
-@router.post("/models/{model}/tokenize", responses=RESPONSES,
+@router.post("/models/{model}/tokenize", responses=OPENAI_RESPONSES,
              openapi_extra=body_doc(TokenizeRequest))  # fmt: skip
 async def model_tokenize(
     request: Request, model: PathModel, services: ServicesDep, principal: PrincipalDep
@@ -116,13 +116,13 @@ async def model_tokenize(
     return await _tokenize(request, services, principal, model)
 
 
-@router.post("/detokenize", responses=RESPONSES, openapi_extra=body_doc(DetokenizeRequest))
+@router.post("/detokenize", responses=OPENAI_RESPONSES, openapi_extra=body_doc(DetokenizeRequest))
 async def detokenize(request: Request, services: ServicesDep, principal: PrincipalDep) -> Response:
     """The text of ``tokens`` (vLLM's route)."""
     return await _detokenize(request, services, principal, None)
 
 
-@router.post("/models/{model}/detokenize", responses=RESPONSES,
+@router.post("/models/{model}/detokenize", responses=OPENAI_RESPONSES,
              openapi_extra=body_doc(DetokenizeRequest))  # fmt: skip
 async def model_detokenize(
     request: Request, model: PathModel, services: ServicesDep, principal: PrincipalDep
@@ -131,7 +131,7 @@ async def model_detokenize(
     return await _detokenize(request, services, principal, model)
 
 
-@router.get("/tokenizer_info", responses=RESPONSES)
+@router.get("/tokenizer_info", responses=OPENAI_RESPONSES)
 async def tokenizer_info(
     services: ServicesDep, principal: PrincipalDep, model: QueryModel = None
 ) -> Response:
@@ -139,7 +139,7 @@ async def tokenizer_info(
     return await _info(services, principal, model, None)
 
 
-@router.get("/models/{model}/tokenizer_info", responses=RESPONSES)
+@router.get("/models/{model}/tokenizer_info", responses=OPENAI_RESPONSES)
 async def model_tokenizer_info(
     model: PathModel, services: ServicesDep, principal: PrincipalDep
 ) -> Response:
