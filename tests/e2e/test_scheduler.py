@@ -140,11 +140,13 @@ def _window(job: dict[str, Any]) -> tuple[datetime, datetime]:
     )
 
 
-def test_two_gangs_at_once_on_three_slots_run_one_after_the_other_ten_times(
+def test_two_gangs_at_once_on_three_slots_run_one_after_the_other_three_times(
     sched: Sched,
 ) -> None:
     token = sched.token(f"gangs-{uuid.uuid4().hex[:6]}")
-    for round_ in range(10):
+    # Three rounds, as the report of lost gangs had them (#22); the race itself has its own
+    # deterministic tests (tests/api/test_reconcile.py), so more rounds only cost CI time.
+    for round_ in range(3):
         ids: list[str] = []
         threads = [
             threading.Thread(
