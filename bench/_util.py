@@ -271,6 +271,36 @@ def stack(owner: str = "bench") -> Iterator[Stack]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def start_worker(env: dict[str, str], queue: str, name: str, log: Path) -> subprocess.Popen[bytes]:
+    """``python -m worker`` serving ``queue`` as ``name``, in its own session (so
+    ``stop_worker`` ends its children too), its output in ``log``."""
+    argv = [sys.executable, "-m", "worker", "--queues", queue, "--hostname", name]
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+
+
+def stop_worker(worker: subprocess.Popen[bytes]) -> None:
+    os.killpg(os.getpgid(worker.pid), signal.SIGTERM)
+    worker.wait(30)
+
+
+def train_job(
+    client: httpx.Client, queue: str, name: str, train: dict[str, Any], log: Path,
+    timeout: float = 300,
+) -> str:  # fmt: skip
+    """Submit a job to ``queue`` and wait for it to succeed (the worker's ``log`` tail if it
+    does not in ``timeout`` s); its id."""
+    r = client.post("/v1/jobs", json={"name": name, "queue": queue, "train": train})
+    assert r.status_code == 201, r.text
+    job = str(r.json()["id"])
+    deadline = time.monotonic() + timeout
+    while client.get(f"/v1/jobs/{job}").json()["status"] != "succeeded":
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    return job
+
+
 # --- statistics ------------------------------------------------------------------------
 
 

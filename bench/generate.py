@@ -31,13 +31,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._util import alternate, median, percentiles, stack
+from bench._util import alternate, median, percentiles, stack, start_worker, stop_worker, train_job
 
 QUEUE = "bench-gen"
 NEW_TOKENS = 256
@@ -51,15 +50,6 @@ TRAIN = {
     "eval": {"every": 0},
     "checkpoint": {"every": 1, "keep": 2},
 }
-
-
-def start_worker(env: dict[str, str], log: Path) -> Any:
-    import subprocess
-
-    argv = [sys.executable, "-m", "worker", "--queues", QUEUE, "--hostname", "bench-gen"]
-    with log.open("wb") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
 
 
 def first_token_s(client: httpx.Client, model: str) -> float:
@@ -84,9 +74,6 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     args = p.parse_args()
 
-    import os
-    import signal
-
     import torch
     import transformers
 
@@ -99,16 +86,10 @@ def main() -> int:
         api = s.serve_api(1)
         env = s.env(TRAINQ_GENERATE_TORCH_THREADS=str(args.threads))
         torch.set_num_threads(args.threads)
-        worker = start_worker(env, s.tmp / "worker.log")
+        worker = start_worker(env, QUEUE, "bench-gen", s.tmp / "worker.log")
         try:
             client = httpx.Client(base_url=api.url, headers=s.auth, timeout=300)
-            r = client.post("/v1/jobs", json={"name": "gen", "queue": QUEUE, "train": TRAIN})
-            assert r.status_code == 201, r.text
-            job = r.json()["id"]
-            deadline = time.monotonic() + 300
-            while client.get(f"/v1/jobs/{job}").json()["status"] != "succeeded":
-                assert time.monotonic() < deadline, (s.tmp / "worker.log").read_text()[-3000:]
-                time.sleep(0.5)
+            job = train_job(client, QUEUE, "gen", TRAIN, s.tmp / "worker.log")
             run_dir = s.tmp / "runs" / job
 
             # Cold first tokens: each kept checkpoint is loaded by its first request.
@@ -150,8 +131,7 @@ def main() -> int:
             runs = alternate(args.rounds, {"worker": ours, "hf": theirs, "local": local})
             a, b, c = runs["worker"], runs["hf"], runs["local"]
         finally:
-            os.killpg(os.getpgid(worker.pid), signal.SIGTERM)
-            worker.wait(30)
+            stop_worker(worker)
 
     worker_tps = median([x[0] for x in a])
     client_tps = median([x[1] for x in a])

@@ -26,8 +26,6 @@ which the numbers include.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import tempfile
 import time
@@ -39,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._util import alternate, median, stack
+from bench._util import alternate, median, stack, start_worker, stop_worker, train_job
 
 QUEUE = "bench-batch"
 BATCH = 8
@@ -66,15 +64,6 @@ TRAIN = {
 }  # fmt: skip
 
 
-def start_worker(env: dict[str, str], log: Path) -> Any:
-    import subprocess
-
-    argv = [sys.executable, "-m", "worker", "--queues", QUEUE, "--hostname", "bench-batch"]
-    with log.open("wb") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -97,16 +86,10 @@ def main() -> int:
             TRAINQ_GENERATE_DEVICE=args.device,
         )
         torch.set_num_threads(args.threads)
-        worker = start_worker(env, s.tmp / "worker.log")
+        worker = start_worker(env, QUEUE, "bench-batch", s.tmp / "worker.log")
         try:
             client = httpx.Client(base_url=api.url, headers=s.auth, timeout=600)
-            r = client.post("/v1/jobs", json={"name": "batch", "queue": QUEUE, "train": TRAIN})
-            assert r.status_code == 201, r.text
-            job = r.json()["id"]
-            deadline = time.monotonic() + 300
-            while client.get(f"/v1/jobs/{job}").json()["status"] != "succeeded":
-                assert time.monotonic() < deadline, (s.tmp / "worker.log").read_text()[-3000:]
-                time.sleep(0.5)
+            job = train_job(client, QUEUE, "batch", TRAIN, s.tmp / "worker.log")
             run_dir = s.tmp / "runs" / job
             model, _ = load_model(run_dir)
             folder = Path(tempfile.mkdtemp()) / "hf"
@@ -167,8 +150,7 @@ def main() -> int:
             log = (s.tmp / "worker.log").read_text(errors="replace")
             batches = [int(x.split(")")[0]) for x in log.split("(batch ")[1:]]
         finally:
-            os.killpg(os.getpgid(worker.pid), signal.SIGTERM)
-            worker.wait(30)
+            stop_worker(worker)
 
     conc, seq, hf_tps = (median(runs[k]) for k in ("concurrent", "sequential", "transformers"))
     params = sum(p.numel() for p in model.parameters()) / 1e6

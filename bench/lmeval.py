@@ -28,8 +28,6 @@ import argparse
 import io
 import json
 import os
-import signal
-import subprocess
 import sys
 import tarfile
 import time
@@ -40,7 +38,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._util import REPO, alternate, median, stack, verdict
+from bench._util import (
+    REPO,
+    alternate,
+    median,
+    stack,
+    start_worker,
+    stop_worker,
+    train_job,
+    verdict,
+)
 
 QUEUE = "bench-lmeval"
 TASK = "trainq_mc"
@@ -89,19 +96,10 @@ def main() -> int:
         prepare_demo(s.tmp / "data" / "demo")
         api = s.serve_api(1)
         env = s.env(TRAINQ_GENERATE_TORCH_THREADS=str(args.threads))
-        argv = [sys.executable, "-m", "worker", "--queues", QUEUE, "--hostname", "bench-lm"]
-        with (s.tmp / "worker.log").open("wb") as log:
-            worker = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)  # fmt: skip
+        worker = start_worker(env, QUEUE, "bench-lm", s.tmp / "worker.log")
         try:
             client = httpx.Client(base_url=api.url, headers=s.auth, timeout=300)
-            r = client.post("/v1/jobs", json={"name": "lm", "queue": QUEUE, "train": TRAIN})
-            assert r.status_code == 201, r.text
-            job = r.json()["id"]
-            deadline = time.monotonic() + 300
-            while client.get(f"/v1/jobs/{job}").json()["status"] != "succeeded":
-                assert time.monotonic() < deadline, (s.tmp / "worker.log").read_text()[-3000:]
-                time.sleep(0.5)
+            job = train_job(client, QUEUE, "lm", TRAIN, s.tmp / "worker.log")
             r = client.get(f"/v1/jobs/{job}/checkpoints/latest/download",
                            params={"format": "hf"})  # fmt: skip
             assert r.status_code == 200, r.text
@@ -139,8 +137,7 @@ def main() -> int:
             sides = {"trainq": ours, "trainq-tok": ours_local_tokenizer, "hf": theirs}
             runs = alternate(args.rounds, sides)
         finally:
-            os.killpg(os.getpgid(worker.pid), signal.SIGTERM)
-            worker.wait(30)
+            stop_worker(worker)
 
     a = median([t for t, _ in runs["trainq"]])
     a2 = median([t for t, _ in runs["trainq-tok"]])
