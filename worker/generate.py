@@ -70,6 +70,11 @@ CANCEL_POLL_S = 0.25  # how often a streamed request looks for its cancel key
 GENERATING = ("complete", "chat")  # the kinds that decode (and batch)
 MODELS_PER_THREAD = 4  # batches (one per model) a generation thread decodes in turn
 BACKLOG_FULL_WAIT_S = 0.05
+# A new batch waits this long for requests that arrive with its first: a list of prompts, or
+# clients sending at once, lands as stream entries a few milliseconds apart, and the reader
+# wakes on the first. Decoded together their prefill is one forward; apart, the first runs
+# alone while the rest wait for it.
+GATHER_S = 0.004
 
 
 class GenerateError(Exception):
@@ -250,18 +255,26 @@ class GenerationServer:
                 self._stop.wait(1.0)
                 continue
             for stream, entries in got or ():
-                for entry_id, fields in entries:
-                    try:
-                        self.redis.xack(stream, GROUP, entry_id)
-                        self.redis.xdel(stream, entry_id)
-                    except Exception as exc:
-                        log.warning("generation: ack failed: %s", exc)
+                # One round trip acknowledges the whole read, and the backlog gets it at
+                # once: requests a client sent together (a list of prompts) start together
+                # instead of the first alone while the others are acknowledged one by one.
+                try:
+                    ids = [entry_id for entry_id, _ in entries]
+                    with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.xack(stream, GROUP, *ids)
+                        pipe.xdel(stream, *ids)
+                        pipe.execute()
+                except Exception as exc:
+                    log.warning("generation: ack failed: %s", exc)
+                taken: list[tuple[str, GenerateRequest]] = []
+                for _, fields in entries:
                     try:
                         req = GenerateRequest.from_entry(fields)
                     except (ValidationError, ValueError, TypeError) as exc:
                         self._refuse(fields, exc)
                         continue
-                    self.backlog.put(req.owner, req)
+                    taken.append((req.owner, req))
+                self.backlog.put_many(taken)
 
     def _run(self, index: int) -> None:
         """Take requests by owner's turn. With batching on, a generation thread decodes up
@@ -347,14 +360,27 @@ class GenerationServer:
             log.warning("generation: reply failed: %s", err)
 
     def _send(self, reply: str, req: GenerateRequest, event: dict[str, Any]) -> None:
-        ttl = max(1, int(req.deadline - time.time()) + REPLY_TTL_S)
+        self._send_all([(req, event)], reply)
+
+    def _send_all(
+        self, events: list[tuple[GenerateRequest, dict[str, Any] | None]], reply: str = ""
+    ) -> None:
+        """Each request's event onto its reply stream, all in one round trip (a batch's
+        starts, or the ends of a step); None: nothing for that request."""
+        sent = [(req, event) for req, event in events if event is not None]
+        if not sent:
+            return
+        now = time.time()
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(reply, encode_event(event))
-                pipe.expire(reply, ttl)
+                for req, event in sent:
+                    stream = reply or reply_stream(req.id, self.prefix)
+                    pipe.xadd(stream, encode_event(event))
+                    pipe.expire(stream, max(1, int(req.deadline - now) + REPLY_TTL_S))
                 pipe.execute()
         except Exception as exc:
-            log.warning("generation: reply to %s failed: %s", req.id, exc)
+            log.warning("generation: reply to %s failed: %s",
+                        ", ".join(req.id for req, _ in sent), exc)  # fmt: skip
 
     def _late(self, req: GenerateRequest, what: str) -> None:
         if time.time() > req.deadline:
@@ -369,9 +395,14 @@ class GenerationServer:
     def _start(
         self, req: GenerateRequest, loaded: Loaded, cached: bool, prompt: list[int], batch: int
     ) -> None:
+        self._send_all([(req, self._start_event(loaded, cached, prompt, batch))])
+
+    def _start_event(
+        self, loaded: Loaded, cached: bool, prompt: list[int], batch: int
+    ) -> dict[str, Any]:
         from trainer.generate import context_length
 
-        self._send(reply_stream(req.id, self.prefix), req, {
+        return {
             "type": "start",
             "worker": self.ctx.name,  # the API fails the request if this worker goes stale
             "step": loaded.step,
@@ -382,7 +413,7 @@ class GenerationServer:
             "batch": batch,
             "context": context_length(loaded.model),
             "eos": list(getattr(loaded.tokenizer, "eos_ids", ())),
-        })  # fmt: skip
+        }  # fmt: skip
 
     # ------------------------------------------------------------- tokenize and detokenize
 
@@ -421,6 +452,8 @@ class GenerationServer:
         """A batch for ``first``'s model with the waiting requests that fit it (owner by
         owner); None when the model cannot be had (each request answered)."""
         key = (first.job_id, first.step)
+        if batch > 1 and len(self.backlog) < batch - 1:
+            self._stop.wait(GATHER_S)
         members = [first] + [r for _, r in self.backlog.take(_fits(key), batch - 1)]
         try:
             loaded, cached = self._model(first)
@@ -447,8 +480,7 @@ class GenerationServer:
                     raise exc
             engine.live.clear()
             return
-        for gen in ended:
-            self._end(found.serving.pop(id(gen)), found.loaded)
+        self._send_all([self._end(found.serving.pop(id(gen)), found.loaded) for gen in ended])
         room = batch - len(engine.live)
         if room > 0 and engine.live and engine.can_join and not self._stop.is_set():
             self._join(found, [r for _, r in self.backlog.take(_fits(found.key), room)], True)
@@ -471,10 +503,11 @@ class GenerationServer:
                 with self._answering(item.req):
                     raise exc
             return
-        for item in ready:
-            self._start(item.req, loaded, cached, item.prompt, item.gen.batch)
-        for gen in ended:
-            self._end(serving.pop(id(gen)), loaded)
+        self._send_all([
+            (item.req, self._start_event(loaded, cached, item.prompt, item.gen.batch))
+            for item in ready
+        ])  # fmt: skip
+        self._send_all([self._end(serving.pop(id(gen)), loaded) for gen in ended])
 
     def _prepare(self, req: GenerateRequest, loaded: Loaded) -> _Serving:
         """The engine's request for ``req``: its prompt checked, its parameters, its
@@ -532,7 +565,8 @@ class GenerationServer:
         gen = Request(prompt, params, delta if req.stream else None, check)
         return _Serving(req, gen, prompt)
 
-    def _end(self, item: _Serving, loaded: Loaded) -> None:
+    def _end(self, item: _Serving, loaded: Loaded) -> tuple[GenerateRequest, dict[str, Any] | None]:
+        """The request's end event (None when it ended in an error, answered here)."""
         req, gen = item.req, item.gen
         if gen.error is not None:
             exc = gen.error
@@ -540,11 +574,11 @@ class GenerationServer:
                 if self._stop.is_set():
                     raise GenerateError(503, f"the worker is shutting down: stopped {exc}")
                 raise GenerateError(504, f"generation stopped: {exc}")
-            return
+            return req, None
         result = gen.result
         assert result is not None
         gen_s = time.perf_counter() - item.began
-        self._send(reply_stream(req.id, self.prefix), req, {
+        event = {
             "type": "end",
             "choices": [
                 {
@@ -565,9 +599,10 @@ class GenerationServer:
             "generate_s": round(gen_s, 4),
             "prompt_text": result.prompt_text,
             "prompt_logprobs": result.prompt_logprobs,
-        })  # fmt: skip
+        }  # fmt: skip
         log.info("generation %s: job %s step %d, %d tokens in %.2f s (batch %d)", req.id,
                  req.job_id, loaded.step, result.completion_tokens, gen_s, gen.batch)  # fmt: skip
+        return req, event
 
 
 @dataclass

@@ -39,10 +39,18 @@ class FairQueue(Generic[T]):
             return self._size
 
     def put(self, owner: str, item: T) -> None:
+        self.put_many([(owner, item)])
+
+    def put_many(self, items: list[tuple[str, T]]) -> None:
+        """Several requests at once: a generation thread woken by the first finds the
+        others too, so what arrived together is decoded together."""
+        if not items:
+            return
         with self._cond:
-            self._waiting.setdefault(owner, deque()).append(item)
-            self._size += 1
-            self._cond.notify()
+            for owner, item in items:
+                self._waiting.setdefault(owner, deque()).append(item)
+            self._size += len(items)
+            self._cond.notify(len(items))
 
     def get(self, timeout: float) -> tuple[str, T] | None:
         """The next request by owner's turn, or None after ``timeout`` seconds."""
