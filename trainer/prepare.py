@@ -22,7 +22,8 @@ validation split.
 ``--format chat`` or ``--format completion`` (:func:`prepare_sft`) reads JSON Lines of
 conversations or prompt/completion pairs instead (``trainer.sft``: the checks, the chat
 template, which tokens carry loss). Beside each token shard it writes the loss mask
-(``train_000000.mask``, trainer.data), beside ``tokenizer.json`` the tokenizer's
+(``train_000000.mask``, trainer.data) and where its examples start (``train_000000.docs``:
+what ``train.data.packing`` packs by), beside ``tokenizer.json`` the tokenizer's
 ``tokenizer_config.json`` (its chat template and special tokens, so serving renders as
 training did), and into meta.json a ``sft`` report: examples, tokens, target tokens and
 their share, what was dropped or truncated and why. Options: ``--max-len N`` with
@@ -48,7 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import META_FILE, DataError, mask_name, write_mask, write_shard
+from trainer.data import (
+    META_FILE,
+    DataError,
+    docs_name,
+    mask_name,
+    write_docs,
+    write_mask,
+    write_shard,
+)
 from trainer.files import NotPlainFile, make_dirs, read_plain, set_mode
 from trainer.sft import (
     OVERLONG,
@@ -291,7 +300,7 @@ def _val_tokens(total: int, val_fraction: float) -> int:
 
 
 def _existing(out: Path, overwrite: bool) -> list[Path]:
-    globs = ("train*.bin", "val*.bin", "train*.mask", "val*.mask")
+    globs = ("train*.bin", "val*.bin", "train*.mask", "val*.mask", "train*.docs", "val*.docs")
     existing = sorted(p for g in globs for p in out.glob(g)) if out.is_dir() else []
     if existing and not overwrite:
         raise DataError(
@@ -446,8 +455,12 @@ def prepare_sft(
             vocab_size=tok.vocab_size if tok else BYTE_VOCAB,
             train_tokens=int(cut),
             val_tokens=int(n_val),
-            train_shards=_write_masked(out, "train", ids[:cut], mask[:cut], shard_tokens),
-            val_shards=_write_masked(out, "val", ids[cut:], mask[cut:], shard_tokens),
+            train_shards=_write_masked(
+                out, "train", ids[:cut], mask[:cut], report.starts, shard_tokens
+            ),
+            val_shards=_write_masked(
+                out, "val", ids[cut:], mask[cut:], report.starts - cut, shard_tokens
+            ),
             sft=report.to_dict(),
         )
         _write_tokenizer(out, tok.text if tok else None)
@@ -462,14 +475,23 @@ def prepare_sft(
 
 
 def _write_masked(
-    out: Path, split: str, tokens: np.ndarray, mask: np.ndarray, shard_tokens: int
+    out: Path,
+    split: str,
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    examples: np.ndarray,
+    shard_tokens: int,
 ) -> int:
-    """Token shards and their loss masks, cut at the same places."""
+    """Token shards, their loss masks and example starts (``examples``: offsets in
+    ``tokens``, those outside it ignored), cut at the same places."""
     starts = range(0, tokens.size, shard_tokens)
     for n, start in enumerate(starts):
         name = f"{split}_{n:06d}.bin"
-        write_shard(out / name, tokens[start : start + shard_tokens])
-        write_mask(out / mask_name(name), mask[start : start + shard_tokens])
+        end = min(start + shard_tokens, tokens.size)
+        write_shard(out / name, tokens[start:end])
+        write_mask(out / mask_name(name), mask[start:end])
+        inside = examples[(examples >= start) & (examples < end)]
+        write_docs(out / docs_name(name), inside - start)
     return len(starts)
 
 
