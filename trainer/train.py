@@ -299,10 +299,11 @@ def _run(
     sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
     masked = train_data.masks is not None or train_data.packed
     if train_data.packed:
+        per_epoch = math.ceil(train_data.num_samples / sampler.samples_per_step)
         _say(env, f"packing: {train_data.examples:,} examples in {train_data.num_samples:,} rows"
                   f" of {cfg.model.seq_len} tokens, efficiency {100 * train_data.efficiency:.1f}%"
                   f" (dropped {train_data.pack_dropped} overlong, truncated"
-                  f" {train_data.pack_truncated})")  # fmt: skip
+                  f" {train_data.pack_truncated}); an epoch is {per_epoch} steps")  # fmt: skip
     val_sampler = BatchSampler(val_data, B, 1, env.rank, world, cfg.seed) if val_data else None
     tokens_per_step = B * accum * world * cfg.model.seq_len
     peak = peak_flops(device, cfg.precision)
