@@ -242,3 +242,31 @@ def test_a_packed_run_trains_over_epochs_and_resumes_mid_epoch_exactly(
             count += int((y != IGNORE_INDEX).sum())
     assert a[1] == pytest.approx(total / count, abs=1e-5, rel=0)
     assert a[steps] < a[1]
+
+
+def test_packed_two_ranks_with_accumulation_equal_one_process(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    """Rows are dealt rank-strided as windows are: 2 ranks x 2 micro-batches of 1 row give
+    one process's 2 x 2 (the same loss and gradients; the same val rows, the same val loss)."""
+    src = _completions(tmp_path / "c.jsonl", n=60)
+    out = tmp_path / "root" / "c"
+    prepare_sft([src], out, "completion", val_fraction=0.2, shard_tokens=400)
+    val = TokenDataset(out, "val", SEQ, packing=True)
+    assert val.examples >= 2 and (val.efficiency > 0.5 or val.num_samples == 1)
+    cfgs = []
+    for batch in ({"micro_batch_size": 2, "grad_accum_steps": 2},
+                  {"micro_batch_size": 1, "grad_accum_steps": 2}):  # fmt: skip
+        cfg = _run_cfg(4, every=0)
+        cfg["batch"], cfg["eval"] = batch, {"every": 2, "steps": 1}
+        cfgs.append(cfg)
+    code, text = runs.run(cfgs[0], tmp_path / "one", out.parent, subprocess_env, nproc=1)
+    assert code == 0, text
+    code, text = runs.run(cfgs[1], tmp_path / "two", out.parent, subprocess_env, nproc=2)
+    assert code == 0, text
+    a, b = runs.metrics(tmp_path / "one"), runs.metrics(tmp_path / "two")
+    assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-5)
+    assert [m["grad_norm"] for m in b] == pytest.approx([m["grad_norm"] for m in a], rel=1e-4)
+    val_a = [m["val_loss"] for m in a if m.get("val_loss") is not None]
+    val_b = [m["val_loss"] for m in b if m.get("val_loss") is not None]
+    assert len(val_a) == 2 and val_b == pytest.approx(val_a, rel=1e-5)
