@@ -23,12 +23,13 @@ validation split.
 conversations or prompt/completion pairs instead (``trainer.sft``: the checks, the chat
 template, which tokens carry loss). Beside each token shard it writes the loss mask
 (``train_000000.mask``, trainer.data) and where its examples start (``train_000000.docs``:
-what ``train.data.packing`` packs by), beside ``tokenizer.json`` the tokenizer's
-``tokenizer_config.json`` (its chat template and special tokens, so serving renders as
-training did), and into meta.json a ``sft`` report: examples, tokens, target tokens and
-their share, what was dropped or truncated and why. Options: ``--max-len N`` with
-``--overlong drop|truncate``, ``--train-on-inputs``. A bad line fails the whole
-preparation with the first few bad lines and their numbers.
+what ``train.data.packing`` packs by; shards and the val split are cut at an example's
+start, the one nearest to the val fraction, unless an example is longer than a shard),
+beside ``tokenizer.json`` the tokenizer's ``tokenizer_config.json`` (its chat template and
+special tokens, so serving renders as training did), and into meta.json a ``sft`` report:
+examples, tokens, target tokens and their share, what was dropped or truncated and why.
+Options: ``--max-len N`` with ``--overlong drop|truncate``, ``--train-on-inputs``. A bad
+line fails the whole preparation with the first few bad lines and their numbers.
 
 Bad input is a :class:`~trainer.data.DataError` from :func:`prepare`; the CLI prints it
 as one line on stderr and exits 1.
@@ -448,7 +449,8 @@ def prepare_sft(
         make_dirs(out)
         for old in existing:
             old.unlink()
-        cut = ids.size - n_val
+        cut = _example_cut(report.starts, ids.size - n_val, ids.size)
+        n_val = ids.size - cut
         summary = PrepareSummary(
             out=str(out),
             tokenizer=tok.name if tok else BYTE,
@@ -474,6 +476,15 @@ def prepare_sft(
     return summary
 
 
+def _example_cut(starts: np.ndarray, cut: int, total: int) -> int:
+    """The start of an example nearest to token ``cut`` of ``total`` (no val split, or one
+    example only: ``cut``), so that no example is split between train and val."""
+    inner = starts[1:]
+    if cut >= total or inner.size == 0:
+        return cut
+    return int(inner[np.argmin(np.abs(inner - cut))])
+
+
 def _write_masked(
     out: Path,
     split: str,
@@ -483,16 +494,21 @@ def _write_masked(
     shard_tokens: int,
 ) -> int:
     """Token shards, their loss masks and example starts (``examples``: offsets in
-    ``tokens``, those outside it ignored), cut at the same places."""
-    starts = range(0, tokens.size, shard_tokens)
-    for n, start in enumerate(starts):
+    ``tokens``, those outside it ignored), cut at the same places: at most
+    ``shard_tokens`` a shard, cut at an example's start unless one example is longer."""
+    n, start = 0, 0
+    while start < tokens.size:
         name = f"{split}_{n:06d}.bin"
         end = min(start + shard_tokens, tokens.size)
+        if end < tokens.size:  # at the last example start that fits, unless none does
+            fits = examples[(examples > start) & (examples <= end)]
+            end = int(fits[-1]) if fits.size else end
         write_shard(out / name, tokens[start:end])
         write_mask(out / mask_name(name), mask[start:end])
         inside = examples[(examples >= start) & (examples < end)]
         write_docs(out / docs_name(name), inside - start)
-    return len(starts)
+        n, start = n + 1, end
+    return n
 
 
 def prepare_demo(out: str | Path) -> Path:

@@ -157,11 +157,11 @@ def test_prepare_writes_example_starts_and_overlong_ones_follow_the_dataset(
     for shard in shards:
         count = (shard.stat().st_size - 1024) // 2
         starts = open_docs(shard, count)
-        assert starts is not None and (starts.size == 0 or starts[-1] < count)
+        assert starts is not None and starts[0] == 0 and starts[-1] < count  # cut between
         total += starts.size
     assert total == meta["sft"]["examples"]  # every example starts exactly once
 
-    small = 6  # most examples are longer than small + 1 tokens
+    small = 15  # some examples are longer than small + 1 tokens, some not
     dropped = TokenDataset(out, "train", small, packing=True)
     assert dropped.pack_dropped > 0 and dropped.pack_truncated == 0
     meta["sft"]["overlong"] = "truncate"
@@ -253,6 +253,9 @@ def test_packed_two_ranks_with_accumulation_equal_one_process(
     out = tmp_path / "root" / "c"
     prepare_sft([src], out, "completion", val_fraction=0.2, shard_tokens=400)
     val = TokenDataset(out, "val", SEQ, packing=True)
+    for path, shard in zip(val.paths, val.shards, strict=True):  # cut at an example's start
+        starts = open_docs(path, int(shard.shape[0]))
+        assert starts is not None and starts[0] == 0
     assert val.examples >= 2 and (val.efficiency > 0.5 or val.num_samples == 1)
     cfgs = []
     for batch in ({"micro_batch_size": 2, "grad_accum_steps": 2},
