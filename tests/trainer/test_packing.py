@@ -4,7 +4,8 @@
   Qwen2 (family hf): each example alone, unpadded, against its share of a packed row.
 - Changing one example's tokens changes no other example's logits in the same row.
 - The example starts (.docs) written by prepare_sft, overlong examples dropped or cut as the
-  dataset says, a link refused, a dataset without starts refused, the plain path unchanged.
+  dataset says, a link refused, a dataset without starts refused; one document a row is the
+  plain causal path.
 - A packed chat run trains, reports its efficiency, and resumes mid-epoch exactly.
 """
 
@@ -134,9 +135,9 @@ def test_no_attention_crosses_an_example(tmp_path: Path, family: str) -> None:
     assert not torch.allclose(a[0][others], plain[0][others], atol=1e-4)
 
 
-def test_the_plain_path_is_bit_identical_with_and_without_packing_support(tmp_path: Path) -> None:
-    """One row of one example filling the whole window: doc ids change nothing, and the
-    plain (doc-less) path is the causal one."""
+def test_one_document_a_row_is_the_plain_causal_path(tmp_path: Path) -> None:
+    """Rows of one example filling the whole window: the masked path (doc ids, explicit
+    block-diagonal mask, positions from the ids) gives the plain causal path's logits."""
     for family in ("gpt", "llama"):
         model = _model(family, tmp_path)
         x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
