@@ -6,7 +6,8 @@
 - The example starts (.docs) written by prepare_sft, overlong examples dropped or cut as the
   dataset says, a link refused, a dataset without starts refused; one document a row is the
   plain causal path.
-- A packed chat run trains, reports its efficiency, and resumes mid-epoch exactly.
+- A packed run trains over epochs, reports its efficiency, and resumes mid-epoch exactly;
+  2 ranks with accumulation equal one process (loss, grad norm, packed val loss).
 """
 
 from __future__ import annotations
