@@ -175,6 +175,11 @@ class DataConfig(_Strict):
         None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
     )
 
+    # Chat and completion data: whole examples packed into seq_len rows, positions
+    # restarting and attention kept inside each example (trainer.data); off: the tokens
+    # cut into seq_len+1 windows as any corpus.
+    packing: bool = False
+
     _no_nul = field_validator("path")(reject_nul)  # no file system takes it
 
 

@@ -24,12 +24,28 @@ has its mask or none has (DataError otherwise); masks are opened as the shards a
 through a link, and must count exactly their shard's tokens. With masks, the batch's
 targets ``y`` are ``IGNORE_INDEX`` (-100, ``cross_entropy``'s default) where the mask is 0.
 
+**Example boundaries and packing** (``TokenDataset(..., packing=True)``, the spec's
+``train.data.packing``): beside a shard a chat/completion dataset also holds
+``train_000000.docs``, the 256-int32 header with magic ``DOCS_MAGIC`` (20241225), version 1
+and the count of examples that start in the shard, then their start offsets as int32,
+strictly increasing, inside the shard. A shard's tokens before its first start are the tail
+of an example cut by the shard (or split) boundary: packed as an example of its own. Packed,
+a sample is a row of ``seq_len`` predictions made of whole examples (an example of ``L``
+tokens makes ``L - 1``), placed best-fit in order (each example into the fullest row it
+fits, else a new row), the rest of a row padding (targets ``IGNORE_INDEX``). An example of
+more than ``seq_len + 1`` tokens is cut to its first ``seq_len + 1`` or dropped, as the
+dataset's ``overlong`` option (meta.json's ``sft.overlong``) says. With each row come its
+document ids (``[B, seq_len]``, one id per example, the padding one more): the models restart
+positions at each example and mask attention to within it (block-diagonal causal).
+``efficiency`` is the share of a packed split's row slots that are examples' tokens.
+
 Only :meth:`BatchSampler.batch` needs torch, and imports it itself, so the shard tools
 (``trainer.prepare``, the service's ``trainq data prepare``) run without loading torch.
 """
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import json
 import os
@@ -47,6 +63,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DOCS_MAGIC",
     "HEADER_INTS",
     "IGNORE_INDEX",
     "MAGIC",
@@ -57,8 +74,10 @@ __all__ = [
     "TokenDataset",
     "check_vocab",
     "find_shards",
+    "open_docs",
     "open_mask",
     "open_shard",
+    "write_docs",
     "write_mask",
     "write_shard",
 ]
@@ -66,6 +85,9 @@ __all__ = [
 MAGIC = 20240520
 MASK_MAGIC = 20241224
 MASK_SUFFIX = ".mask"
+DOCS_MAGIC = 20241225
+DOCS_SUFFIX = ".docs"
+OVERLONG = ("drop", "truncate")
 IGNORE_INDEX = -100
 VERSION = 1
 HEADER_INTS = 256
@@ -75,6 +97,7 @@ META_FILE = "meta.json"  # written by trainer.prepare next to its shards
 _TOKEN_DTYPE = np.dtype("<u2")
 _MASK_DTYPE = np.dtype("u1")
 _HEADER_DTYPE = np.dtype("<i4")
+_DOCS_DTYPE = np.dtype("<i4")
 
 
 class DataError(Exception):
@@ -108,6 +131,15 @@ def write_mask(path: str | os.PathLike[str], mask: np.ndarray) -> None:
     if arr.ndim != 1 or arr.size == 0:
         raise DataError(f"{path}: a mask is a non-empty 1-D array, got shape {arr.shape}")
     _write_atomic(path, MASK_MAGIC, (arr != 0).astype(_MASK_DTYPE))
+
+
+def write_docs(path: str | os.PathLike[str], starts: np.ndarray) -> None:
+    """Write the start offsets of the examples that begin in the shard of the same stem."""
+    path = Path(path)
+    arr = np.asarray(starts, dtype=np.int64)
+    if arr.ndim != 1 or (arr.size and (arr[0] < 0 or np.any(np.diff(arr) <= 0))):
+        raise DataError(f"{path}: example starts are a 1-D strictly increasing array")
+    _write_atomic(path, DOCS_MAGIC, arr.astype(_DOCS_DTYPE))
 
 
 def _write_atomic(path: Path, magic: int, arr: np.ndarray) -> None:
@@ -224,6 +256,83 @@ def open_mask(
         return np.memmap(f, dtype=_MASK_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def docs_name(shard: str) -> str:
+    """The example-starts file of token shard ``shard`` (``train_000000.docs``)."""
+    return shard[: -len(".bin")] + DOCS_SUFFIX if shard.endswith(".bin") else shard + DOCS_SUFFIX
+
+
+def open_docs(
+    shard: str | os.PathLike[str], count: int, *, dir_fd: int | None = None, label: str = ""
+) -> np.ndarray | None:
+    """The example starts beside ``shard`` (None when it has none), as int64; DataError
+    unless the header is a docs file's and the starts increase strictly inside ``count``
+    tokens. Opened as the shards are: without following a link."""
+    shard = Path(shard)
+    path = shard.with_name(docs_name(shard.name))
+    name = label or str(path)
+    try:
+        fd = open_plain(path.name if dir_fd is not None else path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except NotPlainFile as exc:
+        raise DataError(
+            f"example starts {name} {exc.strerror}: they are read as regular files, never"
+            " through a link"
+        ) from None
+    except OSError as exc:
+        raise DataError(f"example starts {name}: cannot open: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        header = np.frombuffer(os.pread(fd, HEADER_BYTES, 0), dtype=_HEADER_DTYPE)
+        ok = header.size == HEADER_INTS and (int(header[0]), int(header[1])) == (
+            DOCS_MAGIC, VERSION,
+        )  # fmt: skip
+        n = int(header[2]) if ok else -1
+        if not ok or n < 0 or size != HEADER_BYTES + n * _DOCS_DTYPE.itemsize:
+            raise DataError(f"example starts {name}: header and size disagree")
+        starts = np.frombuffer(os.pread(fd, n * 4, HEADER_BYTES), dtype=_DOCS_DTYPE)
+    finally:
+        os.close(fd)
+    starts = starts.astype(np.int64)
+    if starts.size and (starts[0] < 0 or starts[-1] >= count or np.any(np.diff(starts) <= 0)):
+        raise DataError(
+            f"example starts {name} are not increasing offsets inside the shard's {count} tokens"
+        )
+    return starts
+
+
+def _meta_overlong(folder: Path) -> str:
+    """The dataset's ``overlong`` option (meta.json's ``sft`` report); ``drop`` without one."""
+    try:
+        meta = json.loads(read_plain(folder / META_FILE, limit=1 << 20))
+        value = meta["sft"]["overlong"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return "drop"
+    return value if value in OVERLONG else "drop"
+
+
+def pack_rows(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Best-fit in order: each item of ``lengths`` (each <= ``capacity``) into the open row
+    with the least room that still fits it, else a new row. Returns each item's row and its
+    offset in the row, and the number of rows."""
+    rows = np.empty(lengths.size, dtype=np.int64)
+    offsets = np.empty(lengths.size, dtype=np.int64)
+    room: list[tuple[int, int]] = []  # (room left, row), sorted
+    used: list[int] = []
+    for i, n in enumerate(lengths.tolist()):
+        j = bisect.bisect_left(room, (n, -1))
+        if j < len(room):
+            left, row = room.pop(j)
+        else:
+            left, row = capacity, len(used)
+            used.append(0)
+        rows[i], offsets[i] = row, used[row]
+        used[row] += n
+        if left - n > 0:
+            bisect.insort(room, (left - n, row))
+    return rows, offsets, len(used)
+
+
 def find_shards(
     folder: str | os.PathLike[str],
     split: str,
@@ -282,7 +391,13 @@ class TokenDataset:
     """
 
     def __init__(
-        self, folder: str | os.PathLike[str], split: str, seq_len: int, label: str | None = None
+        self,
+        folder: str | os.PathLike[str],
+        split: str,
+        seq_len: int,
+        label: str | None = None,
+        *,
+        packing: bool = False,
     ) -> None:
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
@@ -303,6 +418,12 @@ class TokenDataset:
                 )
                 for p, s in zip(self.paths, self.shards, strict=True)
             ]
+            docs = [
+                open_docs(
+                    p, int(s.shape[0]), dir_fd=dir_fd, label=f"{self.label}/{docs_name(p.name)}"
+                )
+                for p, s in zip(self.paths, self.shards, strict=True)
+            ] if packing else []  # fmt: skip
         finally:
             os.close(dir_fd)
         if any(m is None for m in masks) and any(m is not None for m in masks):
@@ -313,6 +434,16 @@ class TokenDataset:
         # Loss masks, one per shard (chat and instruction data), or None: every token a target.
         self.masks: list[np.memmap] | None = masks if masks and masks[0] is not None else None  # type: ignore[assignment]
         self.num_tokens = sum(int(s.shape[0]) for s in self.shards)
+        self.packed = packing
+        if packing:
+            if any(d is None for d in docs):
+                raise DataError(
+                    f"data folder {self.label}: data.packing needs the examples' boundaries"
+                    f" (.docs beside each {split} shard), which chat and completion datasets"
+                    " have; this one has none"
+                )
+            self._pack(docs)  # type: ignore[arg-type]
+            return
         counts = np.array([s.shape[0] // self.window for s in self.shards], dtype=np.int64)
         # _starts[k] is the global index of shard k's first window; _starts[-1] == num_samples.
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -323,6 +454,61 @@ class TokenDataset:
                 f"fewer than one window of seq_len+1 = {self.window}"
             )
         self._offsets = np.arange(self.window, dtype=np.int64)
+
+    def _pack(self, docs: list[np.ndarray]) -> None:
+        """Cut the shards into examples at their starts and pack them (module docstring)."""
+        overlong = _meta_overlong(self.folder)
+        shard, start, size = [], [], []
+        for k, (tokens, starts) in enumerate(zip(self.shards, docs, strict=True)):
+            edges = np.unique(np.concatenate([[0], starts, [tokens.shape[0]]]))
+            shard.append(np.full(edges.size - 1, k, dtype=np.int64))
+            start.append(edges[:-1])
+            size.append(np.diff(edges))
+        seg_shard, seg_start, seg_size = (np.concatenate(a) for a in (shard, start, size))
+        too_long = seg_size > self.window
+        self.pack_truncated = self.pack_dropped = 0
+        if overlong == "truncate":
+            self.pack_truncated = int(too_long.sum())
+            seg_size = np.minimum(seg_size, self.window)
+        else:
+            self.pack_dropped = int(too_long.sum())
+        keep = (seg_size >= 2) & (~too_long | (overlong == "truncate"))
+        seg_shard, seg_start, seg_size = seg_shard[keep], seg_start[keep], seg_size[keep]
+        rows, offsets, n_rows = pack_rows(seg_size - 1, self.seq_len)
+        order = np.lexsort((offsets, rows))  # by row, then place in the row
+        self._seg = np.stack([seg_shard, seg_start, seg_size, offsets])[:, order]
+        self._row_first = np.searchsorted(rows[order], np.arange(n_rows + 1)).astype(np.int64)
+        self.examples = int(seg_size.size)
+        self.num_samples = n_rows
+        self.efficiency = float((seg_size - 1).sum()) / max(1, n_rows * self.seq_len)
+        if self.num_samples == 0:
+            raise DataError(
+                f"data folder {self.label}: the {self.split} split has no example of"
+                f" 2 tokens or more within seq_len+1 = {self.window}"
+            )
+
+    def gather_packed(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Packed rows ``indices``: inputs, targets (``IGNORE_INDEX`` where no target, as
+        the masks and the padding say) and document ids, each ``[len(indices), seq_len]``
+        int64; an example's inputs are its tokens but the last, its targets all but the
+        first."""
+        idx = np.asarray(indices, dtype=np.int64)
+        T = self.seq_len
+        x = np.zeros((idx.size, T), dtype=np.int64)
+        y = np.full((idx.size, T), IGNORE_INDEX, dtype=np.int64)
+        doc = np.empty((idx.size, T), dtype=np.int64)
+        for r, i in enumerate(idx.tolist()):
+            first, last = int(self._row_first[i]), int(self._row_first[i + 1])
+            doc[r] = last - first  # the padding: a document of its own
+            for d, (k, a, n, o) in enumerate(self._seg[:, first:last].T.tolist()):
+                tokens = self.shards[k][a : a + n].astype(np.int64)
+                x[r, o : o + n - 1] = tokens[:-1]
+                target = tokens[1:]
+                if self.masks is not None:
+                    target = np.where(self.masks[k][a + 1 : a + n] != 0, target, IGNORE_INDEX)
+                y[r, o : o + n - 1] = target
+                doc[r, o : o + n - 1] = d
+        return x, y, doc
 
     def __len__(self) -> int:
         return self.num_samples
@@ -478,12 +664,16 @@ class BatchSampler:
             out[mask] = self.permutation(int(epoch))[positions[mask]]
         return out
 
-    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
         """``(x, y)``: int64 ``[B, seq_len]`` CPU tensors (pinned when ``pin_memory``); with
-        loss masks, ``y`` is ``IGNORE_INDEX`` where a token is no target."""
+        loss masks, ``y`` is ``IGNORE_INDEX`` where a token is no target. A packed dataset
+        adds a third, the document ids (``TokenDataset.gather_packed``)."""
         import torch  # here, so that shard tools (trainer.prepare, the service) never load torch
 
         indices = self.indices(step, micro)
+        if self.dataset.packed:
+            out = tuple(torch.from_numpy(a) for a in self.dataset.gather_packed(indices))
+            return tuple(t.pin_memory() for t in out) if self.pin_memory else out
         windows = torch.from_numpy(self.dataset.gather(indices).astype(np.int64))
         x = windows[:, :-1]
         y = windows[:, 1:]

@@ -117,8 +117,25 @@ class HFCausalLM(nn.Module):
             self.inner.apply(self.inner._init_weights)
             self.inner.tie_weights()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.inner(input_ids=idx, use_cache=False).logits
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        doc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits, or the mean cross-entropy when targets are given. ``doc``: packed rows'
+        document ids (trainer.data), passed as ``position_ids`` that restart at each
+        document: transformers' masking (``masking_utils.find_packed_sequence_indices``)
+        then keeps attention inside each one (sdpa and eager; checked by the tests)."""
+        if doc is None:
+            logits = self.inner(input_ids=idx, use_cache=False).logits
+        else:
+            from trainer.model import doc_positions
+
+            logits = self.inner(
+                input_ids=idx, position_ids=doc_positions(doc), use_cache=False
+            ).logits
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

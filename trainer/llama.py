@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import LlamaConfig
-from trainer.model import cached_attention
+from trainer.model import cached_attention, doc_mask, doc_positions
 
 __all__ = ["Llama", "LlamaBlock", "rope_tables"]
 
@@ -60,7 +60,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -68,7 +74,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Each key/value head serves a group of queries: SDPA's own GQA, no repeated copies.
         gqa = self.n_kv_head != self.n_head
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # packed rows: causal within each document (trainer.model.doc_mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     def forward_cached(
@@ -110,8 +119,14 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def forward_cached(
@@ -148,16 +163,28 @@ class Llama(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, T, vocab]``, or the mean cross-entropy (fp32) when targets are given."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        doc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``, or the mean cross-entropy (fp32) when targets are given.
+        ``doc`` ``[B, T]``: packed rows' document ids (trainer.data); positions restart at
+        each document and attention stays inside it."""
         T = idx.shape[1]
         assert self.cfg.seq_len >= T, f"sequence length {T} > model seq_len {self.cfg.seq_len}"
         cos, sin = rope_tables(
             self.cfg.d_model // self.cfg.n_head, T, self.cfg.rope_theta, idx.device
         )
+        mask = None
+        if doc is not None:  # each token rotated by its position in its document
+            pos = doc_positions(doc)
+            cos, sin, mask = cos[pos][:, None], sin[pos][:, None], doc_mask(doc)
         x = self.tok_embeddings(idx)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin) if mask is None else block(x, cos, sin, mask)
         logits = self.output(self.norm(x))
         if targets is None:
             return logits

@@ -17,7 +17,7 @@ from torch import nn
 
 from trainer.config import ModelConfig
 
-__all__ = ["GPT", "Block", "cached_attention"]
+__all__ = ["GPT", "Block", "cached_attention", "doc_mask", "doc_positions"]
 
 INIT_STD = 0.02
 
@@ -51,6 +51,25 @@ def cached_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def doc_positions(doc: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (``doc`` ``[B, T]``: packed rows'
+    document ids, trainer.data), restarting at 0 where the id changes."""
+    T = doc.shape[1]
+    cols = torch.arange(T, device=doc.device).expand_as(doc)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    starts = torch.where(first, cols, torch.zeros_like(cols)).cummax(dim=1).values
+    return cols - starts
+
+
+def doc_mask(doc: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask ``[B, 1, T, T]`` (True: may attend) of packed rows:
+    a token sees the tokens before it in its own document only."""
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return (causal[None] & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -58,12 +77,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # [B, T, C] -> [B, heads, T, head_dim]
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # packed rows: causal within each document (doc_mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
     def forward_cached(self, x: torch.Tensor, cache: Any, layer: int) -> torch.Tensor:
@@ -97,8 +119,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
     def forward_cached(self, x: torch.Tensor, cache: Any, layer: int) -> torch.Tensor:
@@ -140,14 +162,25 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, T, vocab]``, or the mean cross-entropy (fp32) when targets are given."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        doc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``, or the mean cross-entropy (fp32) when targets are given.
+        ``doc`` ``[B, T]``: packed rows' document ids (trainer.data); positions restart at
+        each document and attention stays inside it."""
         T = idx.shape[1]
         assert self.cfg.seq_len >= T, f"sequence length {T} > model seq_len {self.cfg.seq_len}"
-        pos = torch.arange(T, device=idx.device)
+        if doc is None:
+            pos, mask = torch.arange(T, device=idx.device), None
+        else:
+            pos, mask = doc_positions(doc), doc_mask(doc)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

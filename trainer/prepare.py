@@ -22,12 +22,14 @@ validation split.
 ``--format chat`` or ``--format completion`` (:func:`prepare_sft`) reads JSON Lines of
 conversations or prompt/completion pairs instead (``trainer.sft``: the checks, the chat
 template, which tokens carry loss). Beside each token shard it writes the loss mask
-(``train_000000.mask``, trainer.data), beside ``tokenizer.json`` the tokenizer's
-``tokenizer_config.json`` (its chat template and special tokens, so serving renders as
-training did), and into meta.json a ``sft`` report: examples, tokens, target tokens and
-their share, what was dropped or truncated and why. Options: ``--max-len N`` with
-``--overlong drop|truncate``, ``--train-on-inputs``. A bad line fails the whole
-preparation with the first few bad lines and their numbers.
+(``train_000000.mask``, trainer.data) and where its examples start (``train_000000.docs``:
+what ``train.data.packing`` packs by; shards and the val split are cut at an example's
+start, the one nearest to the val fraction, unless an example is longer than a shard),
+beside ``tokenizer.json`` the tokenizer's ``tokenizer_config.json`` (its chat template and
+special tokens, so serving renders as training did), and into meta.json a ``sft`` report:
+examples, tokens, target tokens and their share, what was dropped or truncated and why.
+Options: ``--max-len N`` with ``--overlong drop|truncate``, ``--train-on-inputs``. A bad
+line fails the whole preparation with the first few bad lines and their numbers.
 
 Bad input is a :class:`~trainer.data.DataError` from :func:`prepare`; the CLI prints it
 as one line on stderr and exits 1.
@@ -48,7 +50,15 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data import META_FILE, DataError, mask_name, write_mask, write_shard
+from trainer.data import (
+    META_FILE,
+    DataError,
+    docs_name,
+    mask_name,
+    write_docs,
+    write_mask,
+    write_shard,
+)
 from trainer.files import NotPlainFile, make_dirs, read_plain, set_mode
 from trainer.sft import (
     OVERLONG,
@@ -291,7 +301,7 @@ def _val_tokens(total: int, val_fraction: float) -> int:
 
 
 def _existing(out: Path, overwrite: bool) -> list[Path]:
-    globs = ("train*.bin", "val*.bin", "train*.mask", "val*.mask")
+    globs = ("train*.bin", "val*.bin", "train*.mask", "val*.mask", "train*.docs", "val*.docs")
     existing = sorted(p for g in globs for p in out.glob(g)) if out.is_dir() else []
     if existing and not overwrite:
         raise DataError(
@@ -439,15 +449,20 @@ def prepare_sft(
         make_dirs(out)
         for old in existing:
             old.unlink()
-        cut = ids.size - n_val
+        cut = _example_cut(report.starts, ids.size - n_val, ids.size)
+        n_val = ids.size - cut
         summary = PrepareSummary(
             out=str(out),
             tokenizer=tok.name if tok else BYTE,
             vocab_size=tok.vocab_size if tok else BYTE_VOCAB,
             train_tokens=int(cut),
             val_tokens=int(n_val),
-            train_shards=_write_masked(out, "train", ids[:cut], mask[:cut], shard_tokens),
-            val_shards=_write_masked(out, "val", ids[cut:], mask[cut:], shard_tokens),
+            train_shards=_write_masked(
+                out, "train", ids[:cut], mask[:cut], report.starts, shard_tokens
+            ),
+            val_shards=_write_masked(
+                out, "val", ids[cut:], mask[cut:], report.starts - cut, shard_tokens
+            ),
             sft=report.to_dict(),
         )
         _write_tokenizer(out, tok.text if tok else None)
@@ -461,16 +476,39 @@ def prepare_sft(
     return summary
 
 
+def _example_cut(starts: np.ndarray, cut: int, total: int) -> int:
+    """The start of an example nearest to token ``cut`` of ``total`` (no val split, or one
+    example only: ``cut``), so that no example is split between train and val."""
+    inner = starts[1:]
+    if cut >= total or inner.size == 0:
+        return cut
+    return int(inner[np.argmin(np.abs(inner - cut))])
+
+
 def _write_masked(
-    out: Path, split: str, tokens: np.ndarray, mask: np.ndarray, shard_tokens: int
+    out: Path,
+    split: str,
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    examples: np.ndarray,
+    shard_tokens: int,
 ) -> int:
-    """Token shards and their loss masks, cut at the same places."""
-    starts = range(0, tokens.size, shard_tokens)
-    for n, start in enumerate(starts):
+    """Token shards, their loss masks and example starts (``examples``: offsets in
+    ``tokens``, those outside it ignored), cut at the same places: at most
+    ``shard_tokens`` a shard, cut at an example's start unless one example is longer."""
+    n, start = 0, 0
+    while start < tokens.size:
         name = f"{split}_{n:06d}.bin"
-        write_shard(out / name, tokens[start : start + shard_tokens])
-        write_mask(out / mask_name(name), mask[start : start + shard_tokens])
-    return len(starts)
+        end = min(start + shard_tokens, tokens.size)
+        if end < tokens.size:  # at the last example start that fits, unless none does
+            fits = examples[(examples > start) & (examples <= end)]
+            end = int(fits[-1]) if fits.size else end
+        write_shard(out / name, tokens[start:end])
+        write_mask(out / mask_name(name), mask[start:end])
+        inside = examples[(examples >= start) & (examples < end)]
+        write_docs(out / docs_name(name), inside - start)
+        n, start = n + 1, end
+    return n
 
 
 def prepare_demo(out: str | Path) -> Path:

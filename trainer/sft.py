@@ -144,9 +144,13 @@ class SftReport:
     overlong: str = "drop"
     train_on_inputs: bool = False
     chat_template: str = "default"  # "tokenizer" when the tokenizer's own rendered them
+    # Where each kept example starts in the tokens (not in the record: the .docs files)
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["starts"]
+        return out
 
 
 def build_examples(
@@ -196,6 +200,7 @@ def build_examples(
         empty = np.zeros(0, dtype=np.uint16)
         return empty, np.zeros(0, dtype=np.uint8), report, problems
     all_ids, all_mask = np.concatenate(ids), np.concatenate(masks)
+    report.starts = np.cumsum([0] + [a.size for a in ids[:-1]]).astype(np.int64)
     report.tokens = int(all_ids.size)
     report.target_tokens = int(all_mask.sum())
     report.loss_share = round(report.target_tokens / report.tokens, 6)

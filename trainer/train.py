@@ -144,22 +144,25 @@ class Shared:
 
 
 def step_targets(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], masked: bool, device: torch.device
+    batches: list[tuple[torch.Tensor, ...]], masked: bool, device: torch.device
 ) -> float:
     """The target tokens of one optimizer step over all micro-batches and all ranks: summed
-    over the ranks (a collective, on ``device``) when the data has loss masks, else every
-    token of every rank's batches (all of one shape)."""
+    over the ranks (a collective, on ``device``) when the data has loss masks or is packed,
+    else every token of every rank's batches (all of one shape)."""
     if not masked:
-        local = sum(y.numel() for _, y in batches)
+        local = sum(b[1].numel() for b in batches)
         return float(local * (dist.get_world_size() if dist.is_initialized() else 1))
-    count = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    count = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
     # int64: exact at any size (fp32 counts only up to 2^24 tokens exactly)
     return float(all_reduce_sum(torch.tensor(count, dtype=torch.int64, device=device)).item())
 
 
-def token_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The sum of the cross-entropies (fp32) of the targets of ``y`` (IGNORE_INDEX: none)."""
-    logits = model(x)
+def token_loss_sum(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, doc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sum of the cross-entropies (fp32) of the targets of ``y`` (IGNORE_INDEX: none);
+    ``doc``: packed rows' document ids (trainer.data)."""
+    logits = model(x) if doc is None else model(x, doc=doc)
     return F.cross_entropy(
         logits.float().view(-1, logits.shape[-1]), y.reshape(-1),
         ignore_index=IGNORE_INDEX, reduction="sum",
@@ -185,8 +188,9 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
     # Data errors surface here, on every rank alike, before any process group exists.
     # Named as the spec names them (data.path), never by the server's absolute path.
     seq, label = cfg.model.seq_len, cfg.data.path
-    train_data = TokenDataset(data_dir, "train", seq, label)
-    val_data = TokenDataset(data_dir, "val", seq, label) if cfg.eval.every else None
+    pack = cfg.data.packing
+    train_data = TokenDataset(data_dir, "train", seq, label, packing=pack)
+    val_data = TokenDataset(data_dir, "val", seq, label, packing=pack) if cfg.eval.every else None
     used = [train_data] if val_data is None else [train_data, val_data]
     check_vocab(cfg.data.path, vocab_size(cfg.model), used)
     if cfg.init is not None:  # fine-tuning: the init weights must fit before any process group
@@ -293,7 +297,13 @@ def _run(
     else:
         _say(env, f"{n_params:,} parameters, {strategy} x{world}, {cfg.precision}, {device}")
     sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
-    masked = train_data.masks is not None
+    masked = train_data.masks is not None or train_data.packed
+    if train_data.packed:
+        per_epoch = math.ceil(train_data.num_samples / sampler.samples_per_step)
+        _say(env, f"packing: {train_data.examples:,} examples in {train_data.num_samples:,} rows"
+                  f" of {cfg.model.seq_len} tokens, efficiency {100 * train_data.efficiency:.1f}%"
+                  f" (dropped {train_data.pack_dropped} overlong, truncated"
+                  f" {train_data.pack_truncated}); an epoch is {per_epoch} steps")  # fmt: skip
     val_sampler = BatchSampler(val_data, B, 1, env.rank, world, cfg.seed) if val_data else None
     tokens_per_step = B * accum * world * cfg.model.seq_len
     peak = peak_flops(device, cfg.precision)
@@ -336,11 +346,11 @@ def _run(
         scale = world / max(1.0, step_targets(batches, masked, device))
         window.data_seconds += time.perf_counter() - t_data
         for micro in range(accum):
-            x, y = (t.to(device, non_blocking=True) for t in batches[micro])
+            x, y, *doc = (t.to(device, non_blocking=True) for t in batches[micro])
             last = micro == accum - 1
             with maybe_no_sync(model, sync=last):
                 with autocast:
-                    loss = token_loss_sum(model, x, y) * scale
+                    loss = token_loss_sum(model, x, y, *doc) * scale
                 loss_sum += loss.detach()
                 if last:  # the step's one collective travels while the last backward runs
                     shared = Shared(loss_sum, stop.requested)
@@ -421,9 +431,9 @@ def evaluate(
     model.eval()
     sums = torch.zeros(2, device=device)  # loss sum, target tokens
     for i in range(steps):
-        x, y = (t.to(device, non_blocking=True) for t in sampler.batch(i, 0))
+        x, y, *doc = (t.to(device, non_blocking=True) for t in sampler.batch(i, 0))
         with autocast:
-            sums[0] += token_loss_sum(model, x, y)
+            sums[0] += token_loss_sum(model, x, y, *doc)
         sums[1] += (y != IGNORE_INDEX).sum()
     model.train()
     loss, targets = all_reduce_sum(sums).tolist()
