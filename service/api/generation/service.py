@@ -204,9 +204,16 @@ class Relay:
         self.done = False
 
     async def send(self) -> None:
-        workers = await self.services.alive_workers()
         queue = self.target.queue
-        if not any(queue in (w.get("queues") or ()) and not w.get("draining") for w in workers):
+
+        def served(workers: list[dict[str, Any]]) -> bool:
+            return any(queue in (w.get("queues") or ()) and not w.get("draining") for w in workers)
+
+        # The registry is cached for a second; a "no" is asked again fresh, so a worker that
+        # has just registered is not refused for the cache's age.
+        if not served(await self.services.alive_workers()) and not served(
+            await self.services.alive_workers(max_age_s=0)
+        ):
             raise Unavailable(f"no live worker serves queue {queue}; generation runs on one")
         try:
             await self.services.aredis.xadd(
