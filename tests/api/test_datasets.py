@@ -234,7 +234,7 @@ def test_submit_freezes_the_dataset_folder_and_delete_waits_for_the_job(
     resp = api.client.post("/v1/jobs", json=job_body({"dataset": "words"}), headers=api.headers())
     assert resp.status_code == 201, resp.text
     job = resp.json()
-    assert job["train"]["data"] == {"path": found["path"], "dataset": "words"}
+    assert job["train"]["data"] == {"path": found["path"], "dataset": "words", "packing": False}
     refused = api.client.delete("/v1/datasets/words", headers=api.headers())
     assert refused.status_code == 409 and job["id"] in refused.json()["detail"]
     api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.headers())

@@ -133,7 +133,8 @@ def test_the_owner_reaches_her_upload_only_by_name_and_the_error_says_so(
     by_name = api.client.post("/v1/jobs", json=job(api.queue, data={"dataset": "corp"}),
                               headers=mine)  # fmt: skip
     assert by_name.status_code == 201, by_name.text
-    assert by_name.json()["train"]["data"] == {"dataset": "corp", "path": alice["path"]}
+    assert by_name.json()["train"]["data"] == {"dataset": "corp", "path": alice["path"],
+                                               "packing": False}  # fmt: skip
     # the worker's message names the owner, so the worker can check the frozen folder's key
     sent = [_message(m) for m in _broker(api)]
     assert [(m.job_id, m.owner) for m in sent] == [(by_name.json()["id"], api.user)]
