@@ -270,6 +270,11 @@ class FSDPConfig(_Strict):
     # Parameters, gradients and optimizer state live in CPU memory, copied to the device per
     # block: the native counterpart of ZeRO-Offload (slower; for models that do not fit).
     cpu_offload: bool = False
+    # HSDP: the ranks form a (replicate, shard) mesh; each parameter is sharded over the
+    # ranks of a shard group (a node's, by torchrun's rank order) and replicated across the
+    # groups, so only the gradient all-reduce crosses nodes. auto: the number of nodes when
+    # the job has several, else 1 (plain FSDP); N must divide the world size (trainer.mesh).
+    replicate: Literal["auto"] | Annotated[int, Field(ge=1, le=65536)] = "auto"
 
 
 class CheckpointConfig(_Strict):
@@ -308,7 +313,9 @@ class TrainConfig(_Strict):
         if self.precision == "fp16" and self.strategy == "fsdp":
             raise ValueError("precision fp16 works with strategy ddp only; use bf16 with fsdp")
         if self.strategy != "fsdp" and self.fsdp != FSDPConfig():
-            raise ValueError("fsdp options (cpu_offload, reshard_after_forward) need strategy fsdp")
+            raise ValueError(
+                "fsdp options (cpu_offload, reshard_after_forward, replicate) need strategy fsdp"
+            )
         return self
 
     @property

@@ -46,6 +46,7 @@ from trainer.data import IGNORE_INDEX, BatchSampler, DataError, TokenDataset, ch
 from trainer.env import TrainerEnv, write_crash, write_exit_file
 from trainer.events import ExitCode
 from trainer.lora import apply_lora, init_lora, lora_param_count, targets_for
+from trainer.mesh import layout
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
 from trainer.models import build_model, vocab_size
 from trainer.parallelize import (
@@ -54,6 +55,7 @@ from trainer.parallelize import (
     apply_compile,
     apply_ddp,
     apply_fsdp,
+    build_mesh,
     clip_grad_norm,
     destroy_distributed,
     init_distributed,
@@ -200,6 +202,7 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
             _say(env, note)
     if cfg.lora is not None:  # targets that match nothing: a spec_error before any group
         _adapted(_on_meta(cfg), cfg)
+    layout(cfg, env.world_size, env.nodes)  # fsdp.replicate divides the world, or spec_error
     device = init_distributed(env)
     stop = StopFlag()
     stop.install()
@@ -273,6 +276,7 @@ def _run(
             param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             cpu_offload=offload,
+            mesh=build_mesh(device, layout(cfg, world, env.nodes).mesh),  # 2-D: hsdp
         )
         seeded = _adapted(_seeded_model(cfg, run_dir), cfg) if env.is_main else None
         materialize_fsdp(gpt, device, seeded, cpu_offload=offload)
@@ -281,6 +285,7 @@ def _run(
         model = apply_ddp(gpt, device)
     torch.manual_seed(cfg.seed)  # every rank's generator in the same state, whoever drew
     strategy = cfg.strategy if env.distributed else "single"
+    mesh = layout(cfg, world, env.nodes) if env.distributed else None
     optimizer = build_optimizer(gpt, cfg.optim)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = (
@@ -296,6 +301,8 @@ def _run(
         _say(env, f"resumed from {ckpt} at step {progress.step}")
     else:
         _say(env, f"{n_params:,} parameters, {strategy} x{world}, {cfg.precision}, {device}")
+    if mesh is not None and mesh.strategy == "hsdp":
+        _say(env, f"layout: {mesh.describe()}")
     sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
     masked = train_data.masks is not None or train_data.packed
     if train_data.packed:

@@ -96,6 +96,7 @@ BAD = [
     {"train": {"precision": "fp16", "strategy": "fsdp"}},
     {"train": {"init": {"job": "ab12"}}},  # no such job of the caller's
     {"procs_per_node": 1000, "train": {}},
+    {"nodes": 2, "train": {"strategy": "fsdp", "fsdp": {"replicate": 3}}},  # 3 of 2 ranks
     [1, 2],
 ]
 
@@ -281,3 +282,21 @@ def test_a_run_that_cannot_fit_its_bound_is_refused_naming_keep_and_the_setting(
     assert _my_jobs(api) == [] and _broker_len(api) == 0
     ok = api.client.post("/v1/jobs", json=small, headers=api.headers())
     assert ok.status_code == 201, ok.text
+
+
+def test_hsdp_replicate_is_checked_and_shards_within_a_node(api: Api) -> None:
+    body = {**_body(api, strategy="fsdp", fsdp={"replicate": 3}), "nodes": 2, "procs_per_node": 2}
+    resp = api.client.post("/v1/jobs", json=body, headers=api.headers())
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"][0]
+    assert detail["loc"] == ["body", "train", "fsdp", "replicate"]
+    assert "must divide the world size (4" in detail["msg"]
+
+    body["train"]["fsdp"] = {"replicate": "auto"}  # 2 nodes: one replica per node
+    out = _plan(api, body)
+    assert {k: out["layout"][k] for k in ("strategy", "replicate", "shard")} == {
+        "strategy": "hsdp",
+        "replicate": 2,
+        "shard": 2,
+    }
+    assert _my_jobs(api) == []

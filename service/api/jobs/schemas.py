@@ -165,11 +165,22 @@ class PlanDisk(BaseModel):
     )
 
 
+class PlanLayout(BaseModel):
+    """How the ranks hold the model (trainer/mesh.py): ddp replicates it on every rank, fsdp
+    shards it over all of them, hsdp over ``shard`` ranks, ``replicate`` times over."""
+
+    strategy: Literal["ddp", "fsdp", "hsdp"]
+    replicate: int
+    shard: int
+    describe: str
+
+
 class PlanOut(BaseModel):
     """``POST /v1/jobs?dry_run=true``: what the spec would need, before anything runs."""
 
     family: str
     world_size: int = Field(description="nodes * procs_per_node")
+    layout: PlanLayout | None = None
     tokens_per_step: int
     parameters: PlanParameters
     memory: PlanMemory | None = Field(None, description="null when the model is unknown")
