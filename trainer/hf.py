@@ -118,7 +118,7 @@ def _checkpoint_problems(cfg: AnyModelConfig, theirs: AnyModelConfig, source: st
     problems = shape_problems(meta_shapes(cfg), meta_shapes(theirs), source)
     fields = ["n_head"]
     if isinstance(cfg, LlamaConfig):
-        fields += ["rope_theta", "norm_eps"]
+        fields += ["rope_theta", "norm_eps", *(["top_k"] if cfg.family == "moe" else [])]
         if cfg.tie_embeddings and isinstance(theirs, LlamaConfig) and not theirs.tie_embeddings:
             problems.append(
                 f"{source} has an output matrix of its own, but this model ties it to the "
