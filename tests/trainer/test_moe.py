@@ -131,17 +131,25 @@ def test_grouped_experts_compute_what_the_expert_loop_does() -> None:
     assert max(float((p - q).abs().max()) for p, q in zip(ga, gb, strict=True)) < 1e-6
 
 
-def test_moe_counts_active_parameters_and_lora_adapts_attention_only() -> None:
+def test_moe_counts_active_parameters_as_the_plan_and_lora_adapts_attention_only() -> None:
+    from trainer.plan import plan
+
     model = _model()
     per_layer_expert = 3 * 32 * 48
     assert model.expert_params() == 2 * 4 * per_layer_expert
     assert model.num_params() - model.active_params() == 2 * 2 * per_layer_expert
+    spec = TrainConfig.model_validate({"model": MOE, "strategy": "fsdp"})
+    counted = plan(spec, procs_per_node=2, nodes=1)
+    assert counted["parameters"]["total"] == model.num_params()
+    assert counted["parameters"]["active"] == model.active_params()
+    lora_plan = plan(spec.model_copy(update={"lora": LoraConfig()}), procs_per_node=1, nodes=1)
     lora = LoraConfig()
     apply_lora(model, lora, targets_for(model.cfg, lora))
     trainable, _ = lora_param_count(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert names and all(".attention." in n and "lora_" in n for n in names)
     assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_plan["parameters"]["trainable"] == trainable
 
 
 @pytest.fixture(scope="module")
