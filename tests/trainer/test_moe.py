@@ -1,8 +1,9 @@
 """The moe family (trainer/moe.py) under real torchrun (CPU, gloo): one process == DDP ==
 FSDP2 with activation checkpointing, the router's metrics, exact resume from a checkpoint;
 ``train.init`` from a folder transformers' ``MixtralForCausalLM`` saved gives transformers'
-first loss, its router aux loss included. (The export to Mixtral and greedy decoding against
-transformers' ``generate``: tests/trainer/test_generate.py's families.)"""
+first loss, its router aux loss included, and with LoRA publishes Mixtral and PEFT folders.
+(Greedy decoding of the Mixtral export against transformers' ``generate``:
+tests/trainer/test_generate.py's families.)"""
 
 from __future__ import annotations
 
@@ -174,11 +175,19 @@ def test_init_from_mixtral_gives_transformers_first_loss_aux_included(
 ) -> None:
     theirs, folder = mixtral
     shutil.copytree(folder, data_root / "tiny-mixtral", dirs_exist_ok=True)
+    # With LoRA on attention (its B starts at zero: the first loss is the base's), and the
+    # run's Hugging Face folders published at the end: hf (Mixtral, its logits checked
+    # within 1e-4 on load-back) and peft (loaded by PEFT on that base and checked).
     cfg = moe_config(
-        steps=1, init={"path": "tiny-mixtral"}, model={**MOE, "router_z_loss_coef": 0.0}
+        steps=2,
+        init={"path": "tiny-mixtral"},
+        model={**MOE, "router_z_loss_coef": 0.0},
+        lora={"rank": 4, "alpha": 8.0},
+        checkpoint={"every": 0, "keep": 1, "hf": "final"},
     )
     code, out = runs.run(cfg, tmp_path / "run", data_root, subprocess_env, nproc=1)
     assert code == 0, out
+    assert "LoRA: " in out and "hf: wrote" in out and "peft: wrote" in out, out
     first = runs.metrics(tmp_path / "run")[0]
     # The first batch, as the trainer's sampler draws it, through transformers' model.
     from trainer.data import BatchSampler, TokenDataset
