@@ -40,6 +40,7 @@ __all__ = [
     "LlamaConfig",
     "LoraConfig",
     "ModelConfig",
+    "MoeConfig",
     "OptimConfig",
     "TrainConfig",
     "frozen_data_path",
@@ -128,6 +129,25 @@ class LlamaConfig(_Strict):
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
 
 
+class MoeConfig(LlamaConfig):
+    """``family: moe``: the llama decoder with each feed-forward replaced by ``n_experts``
+    SwiGLU experts (``ffn_hidden`` wide each) and a top-``top_k`` router (trainer/moe.py),
+    Mixtral's design. ``aux_loss_coef``: the load-balancing loss's weight (Switch/Mixtral's
+    form, transformers' ``router_aux_loss_coef``); ``router_z_loss_coef``: ST-MoE's z-loss."""
+
+    family: Literal["moe"]  # type: ignore[assignment]
+    n_experts: int = Field(4, ge=1, le=1024)
+    top_k: int = Field(2, ge=1, le=64)
+    aux_loss_coef: float = Field(0.01, ge=0, le=100)
+    router_z_loss_coef: float = Field(0.0, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _top_k(self) -> MoeConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be at most n_experts ({self.n_experts})")
+        return self
+
+
 class HFModelConfig(_Strict):
     """``family: hf``: any causal language model ``transformers`` builds from a local folder
     (trainer/hfmodel.py). ``from_pretrained`` semantics: a folder with weights starts from
@@ -152,6 +172,7 @@ def _family(value: Any) -> str:
 AnyModelConfig = Annotated[
     Annotated[ModelConfig, Tag("gpt")]
     | Annotated[LlamaConfig, Tag("llama")]
+    | Annotated[MoeConfig, Tag("moe")]
     | Annotated[HFModelConfig, Tag("hf")],
     Discriminator(_family),
 ]
@@ -241,6 +262,7 @@ class InitConfig(_Strict):
 DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "gpt": ("attn.qkv", "attn.proj"),
     "llama": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
+    "moe": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
     "hf": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 

@@ -108,14 +108,19 @@ def plan(
             "describe": mesh.describe(),
         },
         "tokens_per_step": micro * train.batch.grad_accum_steps * world,
-        "parameters": {"total": None, "trainable": None},
+        "parameters": {"total": None, "trainable": None, "active": None},
         "memory": None,
         "disk": None,
     }
     total = None
     if shape is not None:
         counts = parameter_counts(shape, train)
-        out["parameters"] = {"total": counts.total, "trainable": counts.trainable}
+        out["parameters"] = {
+            "total": counts.total,
+            "trainable": counts.trainable,
+            # what one token computes with: all of them, but the experts it skips (moe)
+            "active": counts.total - shape.n_layer * shape.idle_block_params,
+        }
         out["disk"] = disk(train, counts.total, counts.trainable, world)
         if train.lora is not None and counts.trainable == 0:
             notes.append("lora.targets match no linear of the model: the trainer refuses it")

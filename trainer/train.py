@@ -49,6 +49,7 @@ from trainer.lora import apply_lora, init_lora, lora_param_count, targets_for
 from trainer.mesh import layout
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
 from trainer.models import build_model, vocab_size
+from trainer.moe import MoE, load_metrics
 from trainer.parallelize import (
     all_reduce_sum,
     apply_ac,
@@ -129,20 +130,24 @@ class Shared:
     its own after it. Every rank starts it at the same point, before the backward's gradient
     reductions, so the collectives' order is the same everywhere."""
 
-    def __init__(self, loss_sum: torch.Tensor, stop_requested: bool) -> None:
-        self._tensor = torch.stack([loss_sum, torch.full_like(loss_sum, float(stop_requested))])
+    def __init__(
+        self, loss_sum: torch.Tensor, stop_requested: bool, extra: torch.Tensor | None = None
+    ) -> None:
+        flag = torch.full_like(loss_sum, float(stop_requested))
+        parts = [loss_sum[None], flag[None]] + ([] if extra is None else [extra.to(loss_sum)])
+        self._tensor = torch.cat(parts)  # extra: an moe model's router statistics
         self._work = (
             dist.all_reduce(self._tensor, op=dist.ReduceOp.SUM, async_op=True)
             if dist.is_initialized()
             else None
         )
 
-    def result(self) -> tuple[float, float]:
-        """(loss sum, stop votes) over all ranks; waits for the collective."""
+    def result(self) -> tuple[float, float, list[float]]:
+        """(loss sum, stop votes, extra) summed over all ranks; waits for the collective."""
         if self._work is not None:
             self._work.wait()
-        loss_sum, votes = self._tensor.tolist()
-        return loss_sum, votes
+        loss_sum, votes, *extra = self._tensor.tolist()
+        return loss_sum, votes, extra
 
 
 def step_targets(
@@ -338,6 +343,11 @@ def _run(
 
             publish(path, train_data.folder)
 
+    # moe: the router's losses join each micro-batch's (a mean over micro-batches here, over
+    # the ranks by the gradient average). The experts' load is summed over the ranks before
+    # the backward (a small collective per micro-batch), so the load-balancing loss is the
+    # whole micro-batch's, as in one process; the statistics travel in the step's collective.
+    moe = gpt if isinstance(gpt, MoE) else None
     model.train()
     quiet_until = 0.0  # the next progress line to stdout, not before (metrics go every step)
     for step in range(progress.step, cfg.steps):
@@ -347,6 +357,7 @@ def _run(
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
+        router: torch.Tensor | None = None
         t_data = time.perf_counter()
         batches = [sampler.batch(step, micro) for micro in range(accum)]
         # world / targets: the step's loss is its target tokens' mean (module docstring)
@@ -359,10 +370,15 @@ def _run(
                 with autocast:
                     loss = token_loss_sum(model, x, y, *doc) * scale
                 loss_sum += loss.detach()
+                if moe is not None:  # the balance over the micro-batch of every rank
+                    counts = all_reduce_sum(moe.router_counts())
+                    loss = loss + moe.router_loss(counts) / accum
+                    stats = moe.router_metrics(counts)
+                    router = stats if router is None else router + stats
                 if last:  # the step's one collective travels while the last backward runs
-                    shared = Shared(loss_sum, stop.requested)
+                    shared = Shared(loss_sum, stop.requested, router)
                 scaler.scale(loss).backward()
-        loss_total, stop_votes = shared.result()
+        loss_total, stop_votes, router_sums = shared.result()
         loss_value, done = loss_total / world, step + 1
         if not math.isfinite(loss_value):
             return _fail_nan(env, run_dir, done, loss_value)
@@ -379,9 +395,11 @@ def _run(
         if val_sampler and (done % cfg.eval.every == 0 or done == cfg.steps):
             val_loss = evaluate(model, val_sampler, cfg.eval.steps, device, autocast, world)
         if done % cfg.log_every == 0 or done == cfg.steps or val_loss is not None:
+            extra = load_metrics(router_sums, moe.cfg.n_experts, accum * world) if moe else {}
             record = window.record(
-                done, cfg.steps, loss=loss_value, lr=lr, grad_norm=grad_norm, val_loss=val_loss
-            )
+                done, cfg.steps, loss=loss_value, lr=lr, grad_norm=grad_norm, val_loss=val_loss,
+                **extra,
+            )  # fmt: skip
             if val_loss is not None or done == cfg.steps or time.monotonic() >= quiet_until:
                 _say(env, format_line(record))
                 quiet_until = time.monotonic() + PRINT_EVERY_S

@@ -34,7 +34,12 @@ def plan_text(out: dict[str, Any]) -> str:
     params = out.get("parameters") or {}
     head = [
         f"model:     {out.get('family')}, {_count(params.get('total'))} parameters"
-        f" ({_count(params.get('trainable'))} trainable)",
+        f" ({_count(params.get('trainable'))} trainable"
+        + (
+            f", {_count(params.get('active'))} active per token)"
+            if params.get("active") != params.get("total")
+            else ")"
+        ),
         f"per step:  {_count(out.get('tokens_per_step'))} tokens"
         f" on {out.get('world_size')} rank(s)",
     ]

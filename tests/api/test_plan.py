@@ -62,7 +62,7 @@ def test_dry_run_answers_the_plan_and_stores_and_sends_nothing(api: Api) -> None
     # the blocks the token and position embeddings and ln_f (the head is tied).
     d = 32
     total = 2 * (12 * d * d + 13 * d) + 256 * d + 32 * d + 2 * d
-    assert out["parameters"] == {"total": total, "trainable": total}
+    assert out["parameters"] == {"total": total, "trainable": total, "active": total}
     assert out["family"] == "gpt" and out["world_size"] == 4
     assert out["tokens_per_step"] == 4 * 3 * 32 * 4
     device = out["memory"]["device"]
@@ -181,7 +181,11 @@ def test_lora_trains_only_the_adapters(api: Api) -> None:
     # gpt's default targets, the attention projections: qkv (d -> 3d) and proj (d -> d).
     gpt = _plan(api, _body(api, lora={"rank": rank}))
     adapters = 2 * (rank * (d + 3 * d) + rank * (d + d))
-    assert gpt["parameters"] == {"total": full + adapters, "trainable": adapters}
+    assert gpt["parameters"] == {
+        "total": full + adapters,
+        "trainable": adapters,
+        "active": full + adapters,
+    }
     plain = _plan(api, _body(api))["memory"]["device"]
     lora = gpt["memory"]["device"]
     assert lora["optimizer"] == 8 * adapters < plain["optimizer"]
@@ -242,7 +246,8 @@ def test_hf_reads_config_json_under_the_data_root(api: Api, data_root: Path) -> 
 
     model["path"] = f"{folder}-missing"
     out = _plan(api, {"queue": api.queue, "train": {"model": model}})
-    assert out["parameters"] == {"total": None, "trainable": None} and out["memory"] is None
+    assert out["parameters"] == {"total": None, "trainable": None, "active": None}
+    assert out["memory"] is None
     assert out["fits"] is None and "config.json" in out["notes"][0]
 
 

@@ -122,6 +122,9 @@ class JobList(BaseModel):
 class PlanParameters(BaseModel):
     total: int | None = Field(None, description="every parameter (LoRA's adapters included)")
     trainable: int | None = Field(None, description="with LoRA, only the adapters")
+    active: int | None = Field(
+        None, description="what one token computes with: total but the experts it is not routed to"
+    )
 
 
 class PlanDeviceMemory(BaseModel):
