@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -16,13 +18,30 @@ __all__ = ["CancelWatch", "Heartbeat"]
 
 
 class Heartbeat:
-    """SETs the attempt's heartbeat key with a TTL, refreshed every ttl/3."""
+    """SETs the attempt's heartbeat key with a TTL, refreshed every ttl/3.
 
-    def __init__(self, client: Any, key: str, value: str, ttl_s: float) -> None:
+    A heartbeat that could not be refreshed for a whole TTL has expired in Redis: the
+    service counts the attempt lost and runs it again elsewhere. ``lost`` is set then (and
+    ``on_lost`` called), so the worker stops its half of a run that is no longer the job's.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        key: str,
+        value: str,
+        ttl_s: float,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         self._client, self._key, self._value = client, key, value
+        self._ttl_s = ttl_s
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._every = ttl_s / 3
         self._stop = threading.Event()
+        self._on_lost = on_lost
+        self.lost = threading.Event()
+        self.last_error = ""
+        self._last_ok = time.monotonic()
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"hb-{key}", daemon=True)
         self._thread.start()
@@ -30,9 +49,15 @@ class Heartbeat:
     def beat(self) -> bool:
         try:
             self._client.set(self._key, self._value, px=self._ttl_ms)
+            self._last_ok = time.monotonic()
             return True
         except Exception as exc:  # redis.ConnectionError, TimeoutError: next round retries
             log.warning("heartbeat %s failed: %s", self._key, exc)
+            self.last_error = str(exc)
+            if time.monotonic() - self._last_ok >= self._ttl_s and not self.lost.is_set():
+                self.lost.set()
+                if self._on_lost is not None:
+                    self._on_lost()
             return False
 
     def _run(self) -> None:
