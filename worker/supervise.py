@@ -93,11 +93,17 @@ def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
         seq_start=node << NODE_SEQ_SHIFT,
     )
     wake = threading.Event()
+
+    def superseded() -> bool:
+        newest = ctx.redis.hget(ctx.keys.fence(msg.job_id), "attempt")
+        return newest is not None and int(newest) > msg.attempt
+
     hb = Heartbeat(
         ctx.redis,
         ctx.keys.heartbeat(msg.job_id, msg.attempt, node),
         ctx.name,
         s.heartbeat_ttl_s,
+        superseded=superseded,
         on_lost=wake.set,
     )
     ctx.track(msg.job_id, msg.attempt, wake, node)
@@ -451,9 +457,9 @@ class _Attempt:
                 break
             if self.hb.lost.is_set():
                 return "lost", (
-                    f"worker {ctx.name} could not reach Redis for {self.s.heartbeat_ttl_s:g} s"
-                    f" ({self.hb.last_error}): its heartbeat expired, so the service runs the"
-                    " attempt elsewhere; this node was stopped"
+                    f"worker {ctx.name} could not reach Redis for {self.hb.outage_s:.0f} s:"
+                    " its heartbeat expired and the service ran the job again elsewhere"
+                    " meanwhile; this node of the old attempt was stopped"
                 )
             if ctx.preempt.is_set():
                 return "preempted", (

@@ -20,9 +20,12 @@ __all__ = ["CancelWatch", "Heartbeat"]
 class Heartbeat:
     """SETs the attempt's heartbeat key with a TTL, refreshed every ttl/3.
 
-    A heartbeat that could not be refreshed for a whole TTL has expired in Redis: the
-    service counts the attempt lost and runs it again elsewhere. ``lost`` is set then (and
-    ``on_lost`` called), so the worker stops its half of a run that is no longer the job's.
+    After Redis was out of reach for longer than the TTL, the key has expired and the
+    service may have called the attempt lost and started the next one elsewhere, or not (an
+    outage of Redis for everyone: nobody saw the key go). Which one, only Redis can say, so
+    the first beat that gets through again asks ``superseded()`` (worker.supervise reads the
+    job's fence, trainer.fence); if it was, ``lost`` is set and ``on_lost`` called, and the
+    worker stops its half of a run that is no longer the job's.
     """
 
     def __init__(
@@ -31,6 +34,8 @@ class Heartbeat:
         key: str,
         value: str,
         ttl_s: float,
+        *,
+        superseded: Callable[[], bool] | None = None,
         on_lost: Callable[[], None] | None = None,
     ) -> None:
         self._client, self._key, self._value = client, key, value
@@ -38,9 +43,9 @@ class Heartbeat:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._every = ttl_s / 3
         self._stop = threading.Event()
-        self._on_lost = on_lost
+        self._superseded, self._on_lost = superseded, on_lost
         self.lost = threading.Event()
-        self.last_error = ""
+        self.outage_s = 0.0  # how long the last outage of Redis lasted, as this beat saw it
         self._last_ok = time.monotonic()
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"hb-{key}", daemon=True)
@@ -49,16 +54,24 @@ class Heartbeat:
     def beat(self) -> bool:
         try:
             self._client.set(self._key, self._value, px=self._ttl_ms)
-            self._last_ok = time.monotonic()
-            return True
         except Exception as exc:  # redis.ConnectionError, TimeoutError: next round retries
             log.warning("heartbeat %s failed: %s", self._key, exc)
-            self.last_error = str(exc)
-            if time.monotonic() - self._last_ok >= self._ttl_s and not self.lost.is_set():
+            return False
+        now = time.monotonic()
+        gone, self._last_ok = now - self._last_ok, now
+        if gone > self._ttl_s and self._superseded is not None and not self.lost.is_set():
+            self.outage_s = gone
+            try:
+                superseded = self._superseded()
+            except Exception as exc:  # gone again: the next beat that gets through asks
+                log.warning("heartbeat %s: %s", self._key, exc)
+                self._last_ok = now - gone
+                return True
+            if superseded:
                 self.lost.set()
                 if self._on_lost is not None:
                     self._on_lost()
-            return False
+        return True
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 QUEUE = "e2e-hosts"
 DONE = ("succeeded", "failed", "cancelled")
 # Long enough to lose a host between its first checkpoint and its end.
-STEPS = 60
+STEPS = 40
 JOB = {**TRAIN, "steps": STEPS, "checkpoint": {"every": 5, "keep": 2}}
 SETTINGS = {
     **FAST_SETTINGS,
@@ -218,3 +218,79 @@ def test_a_host_lost_mid_run_ends_the_attempt_and_the_job_resumes_exactly_elsewh
     assert worst <= 1e-6, {s: (mine[s], one_host[s]) for s in mine}
     assert cluster.processes(job_id) == []
 
+
+def _ours(cluster: HostCluster, host: Host) -> list[int]:
+    """Processes in ``host`` other than its workers: the ranks, torchrun and guards."""
+    workers = {p.popen.pid for n, p in cluster.workers.items() if cluster.on[n] is host}
+    return [pid for pid in host.pids() if pid not in workers]
+
+
+def _fault_then_retry(
+    cluster: HostCluster, name: str, fault: str
+) -> tuple[str, Host, dict[str, Any]]:
+    """A job of 2 nodes x 1 rank; once it has a checkpoint, ``fault`` hits node 1's host
+    ("link": cut off, alive; "redis": only Redis unreachable from it). Returns once the
+    service has called attempt 1 lost and attempt 2 runs on the other hosts; the host is
+    still cut off then."""
+    job_id = submit(cluster, name, 2, 1, retries=1)
+    placed = cluster.placed(job_id, 1, 2)
+    checkpoints = cluster.runs_root / job_id / "checkpoints"
+    wait_for(lambda: any(checkpoints.glob("step-*/DONE")), 120, "a checkpoint", every=0.02)
+    host = cluster.on[placed[1]]
+    assert host.relay is not None
+    host.link(False) if fault == "link" else host.relay.cut()
+    job = wait_for(lambda: _attempts_ended(cluster, job_id, 1), 60, "attempt 1 to end")
+    assert job["attempts"][0]["reason"] == "lost", job
+    second = cluster.placed(job_id, 2, 2)
+    assert host not in {cluster.on[w] for w in second.values()}
+    return job_id, host, job
+
+
+def _late_exit(cluster: HostCluster, job_id: str) -> dict[str, Any]:
+    """Node 1's exit of attempt 1, sent by the cut host's worker once it reaches Redis."""
+
+    def sent() -> dict[str, Any] | None:
+        exits = cluster.lifecycle(job_id, 1)
+        return next((e for e in exits if e["phase"] == "exited" and e["node"] == 1), None)
+
+    return dict(wait_for(sent, 60, "the cut host's late exit", every=0.2))
+
+
+def test_a_host_cut_off_alive_is_fenced_and_what_it_sends_later_is_dropped(
+    cluster: HostCluster,
+) -> None:
+    job_id, host, job = _fault_then_retry(cluster, "hosts-cut", "link")
+    lost_at = datetime.fromisoformat(job["attempts"][0]["ended_at"]).timestamp()
+    done = cluster.wait_job(job_id, DONE, 150)
+    assert done["status"] == "succeeded" and done["attempt"] == 2, done
+    assert _ours(cluster, host), "cut off, its node of attempt 1 still runs"
+    host.link(True)
+    # Back: its worker finds the job's fence raised by attempt 2 and stops its node (or
+    # the node's ranks fail first, their peer on the other host long gone).
+    wait_for(lambda: not _ours(cluster, host), 60, "the cut host's old node to stop", 0.2)
+    late = _late_exit(cluster, job_id)
+    print(f"\ncut-off node's exit: {late['reason']}: {late['message'][:160]}")
+    assert late["reason"] in ("lost", "exit_code"), late
+    assert cluster.job(job_id)["status"] == "succeeded", "a late exit changes nothing"
+    # Nothing attempt 1 sent after the service called it lost was stored.
+    points = cluster.metrics(job_id)["points"]
+    assert [p for p in points if p["attempt"] == 1 and p["ts"] > lost_at] == []
+    cluster.revive(host)
+
+
+def test_redis_unreachable_from_one_host_stops_its_worker_and_the_job_runs_elsewhere(
+    cluster: HostCluster,
+) -> None:
+    job_id, host, _ = _fault_then_retry(cluster, "hosts-redis", "redis")
+    name = next(n for n, h in cluster.on.items() if h is host)
+    stale = float(SETTINGS["TRAINQ_WORKER_STALE_S"])
+    wait_for(lambda: not cluster.registered(name), stale + 10, f"{name} to leave the registry")
+    assert "cannot reach Redis" in cluster.workers[name].tail(400)
+    # Its node's peer was stopped by the service: not left half-running.
+    wait_for(lambda: not _ours(cluster, host), 60, "the cut host's node to end", 0.2)
+    done = cluster.wait_job(job_id, DONE, 150)
+    assert done["status"] == "succeeded" and done["attempt"] == 2, done
+    assert host.relay is not None
+    host.relay.resume()
+    wait_for(lambda: cluster.registered(name), 30, f"{name} back in the registry", every=0.2)
+    assert cluster.processes(job_id) == []
