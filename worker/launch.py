@@ -184,8 +184,10 @@ def build_env(
             # worker's setting TRAINQ_RANK_REDIS_URL (the worker itself needs far more)
             # naming a Redis ACL user that may only XADD to the trainq streams:
             #   ACL SETUSER trainq-rank on >PASSWORD resetkeys ~trainq:events
-            #       ~trainq:job:* resetchannels -@all +xadd +multi +exec +select
-            # (the trainer's Publisher needs nothing else: one MULTI of XADDs per batch).
+            #       ~trainq:job:* ~trainq:fence:* resetchannels -@all +xadd +multi +exec
+            #       +select +eval +hget +hset
+            # (the trainer's Publisher: one MULTI of XADDs per batch; rank 0's fence check
+            # before a checkpoint, trainer.fence: one EVAL on the job's fence key).
             "TRAINQ_REDIS_URL": redis_url,
             "TRAINQ_REDIS_PREFIX": redis_prefix,
             "TRAINQ_JOB_ID": job_id,
