@@ -44,8 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainer.fence import Fence, Superseded
 from trainer.files import make_dirs
-from trainer.parallelize import barrier, unwrap
+from trainer.parallelize import all_reduce_sum, barrier, unwrap
 
 __all__ = [
     "CheckpointError",
@@ -168,16 +169,20 @@ def save_checkpoint(
     model_config: dict[str, Any] | None = None,
     lora: dict[str, Any] | None = None,
     hf: bool = False,
+    fence: Fence | None = None,
 ) -> Path:
     """Save collectively (every rank calls this at the same step); returns the final path.
 
     ``model_config`` (and ``lora``, the adapters' config) go into meta.json, so a checkpoint
     alone says what model it holds (what `trainer.export` builds to read it). ``hf``: a
     Hugging Face folder follows this save (its room is checked too). DiskFull when the file
-    system has no room for it (nothing of it is left behind)."""
+    system has no room for it (nothing of it is left behind). ``fence`` (rank 0's, see
+    trainer.fence): asked before anything is touched and before the checkpoint becomes
+    visible; Superseded if a newer attempt of the job was claimed meanwhile."""
     root = run_dir / "checkpoints"
     tmp = root / f"tmp-step-{progress.step}"
     final = root / f"step-{progress.step}"
+    _fenced(fence, progress.step, model)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save left it half written
         make_dirs(root)
@@ -200,14 +205,30 @@ def save_checkpoint(
             " files were removed (checkpoint.keep and checkpoint.hf set how much a run keeps)"
         )
     barrier()  # every rank's files are in tmp before it becomes a checkpoint
+    _fenced(fence, progress.step, model)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
         tmp.rename(final)
         (final / DONE).write_text(f"{progress.step}\n")
+        if fence is not None:
+            fence.published(progress.step)
         for _, old in checkpoint_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def _fenced(fence: Fence | None, step: int, model: nn.Module) -> None:
+    """Rank 0 asks the fence, and every rank learns its answer (one all-reduce): the whole
+    superseded attempt stops together, so no rank of it records a crash (exit.json) in a
+    run folder that is the next attempt's now."""
+    if fence is None:
+        return
+    why = fence.ask(step)
+    device = next(model.parameters()).device
+    flag = all_reduce_sum(torch.tensor([1.0 if why else 0.0], device=device))
+    if flag.item() > 0:
+        raise Superseded(why or f"SUPERSEDED: rank 0 refused to publish checkpoint step {step}")
 
 
 def _write(

@@ -44,7 +44,8 @@ from trainer.checkpoint import (
 from trainer.config import ConfigError, OptimConfig, TrainConfig
 from trainer.data import IGNORE_INDEX, BatchSampler, DataError, TokenDataset, check_vocab
 from trainer.env import TrainerEnv, write_crash, write_exit_file
-from trainer.events import ExitCode
+from trainer.events import ExitCode, Keys
+from trainer.fence import Fence, Superseded
 from trainer.lora import apply_lora, init_lora, lora_param_count, targets_for
 from trainer.mesh import layout
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
@@ -230,6 +231,10 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
         except OSError:
             pass
         return ExitCode.DISK_FULL
+    except Superseded as exc:
+        # No exit.json: the run folder belongs to the newer attempt now (trainer.fence).
+        print(f"trainer: rank {env.rank}: {exc}", file=sys.stderr, flush=True)
+        return ExitCode.SUPERSEDED
     except (ConfigError, CheckpointError, DataError):
         raise  # known failures: trainer.__main__ reports them (spec_error)
     except Exception as exc:
@@ -241,6 +246,18 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
         metrics.close()
         stop.restore()
         destroy_distributed()
+
+
+def _fence(env: TrainerEnv) -> Fence | None:
+    """The attempt's fence (trainer.fence) where a worker started the run; rank 0 asks it."""
+    if env.redis_url is None or env.job_id is None:
+        return None
+    client = None
+    if env.is_main:
+        import redis
+
+        client = redis.Redis.from_url(env.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    return Fence(client, Keys(env.redis_prefix).fence(env.job_id), env.attempt)
 
 
 def _run(
@@ -321,6 +338,7 @@ def _run(
     peak = peak_flops(device, cfg.precision)
     window = StepWindow(tokens_per_step, world, flops_per_token, peak, device)
     every = cfg.checkpoint.every
+    fence = _fence(env)
 
     def save(progress: Progress) -> None:
         metrics.flush()  # the metrics up to a checkpointed step are on the wire before it is
@@ -337,6 +355,7 @@ def _run(
             model_config=cfg.model.model_dump(),
             lora=cfg.lora.model_dump() if cfg.lora is not None else None,
             hf=cfg.checkpoint.hf == "every",
+            fence=fence,
         )
         if env.is_main and cfg.checkpoint.hf == "every" and not stop.requested:
             from trainer.publish import publish  # step-N/hf/; the other ranks wait for it
