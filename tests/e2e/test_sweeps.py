@@ -3,7 +3,8 @@ real `trainq worker` processes run the trials with torchrun on CPU.
 
 - A grid sweep of 4 trials, submitted with ``trainq sweep submit --wait``, gives per step the
   losses of the same 4 jobs submitted by hand; ``trainq sweep status`` lists them best first.
-- ASHA over 8 learning rates from 1e-5 to 1e-1 stops at least the worst half of them (they
+- ASHA over 8 learning rates from 1e-5 to 1e-1 (one trial at a time, in the listed order,
+  which is neither best first nor worst first) stops at least the worst half of them (they
   end ``stopped_early``, with no retry spent); the best trial is the one the full grid picks
   (the grid run here by the trainer in this process, to its last step).
 - A seeded random sweep whose API process is killed mid-sweep and started again proposes
@@ -184,7 +185,9 @@ def test_asha_stops_the_worst_half_and_keeps_the_best(cluster: Cluster, tmp_path
         "space": {"train.optim.lr": {"type": "choice", "values": LRS}},
         "method": "grid",
         "metric": "loss",
-        "parallelism": 8,
+        # One at a time: ASHA promotes the first trial to reach a rung, so with trials side
+        # by side which one got there first (a race) would decide; in order it is exact.
+        "parallelism": 1,
         "budget": 8,
         "early_stop": {"method": "asha", "min_steps": 3, "reduction_factor": 2},
     }
