@@ -42,6 +42,8 @@ LRS = [7.2e-3, 1e-5, 1e-1, 1.4e-4, 1.9e-3, 3.7e-5, 2.7e-2, 5.2e-4]
 
 
 class Cluster:
+    grid_sweep: str | None = None
+
     def __init__(self, system: System) -> None:
         self.system = system
         self.api: Api = system.start_api(auth=True)
@@ -156,9 +158,32 @@ def test_a_grid_sweep_gives_the_losses_of_its_jobs_submitted_by_hand(
     rows = [line.split() for line in status.stdout.splitlines()[1:] if line.split()[0].isdigit()]
     values = [float(row[-3]) for row in rows]
     assert values == sorted(values) and len(rows) == 4  # best first
+    cluster.grid_sweep = sweep_id
     best = sweep["best_trial"]
     assert round(best["value"], 4) == min(values)
     assert f"best trial {best['number']}" in status.stdout
+
+
+def test_the_dashboard_draws_a_sweeps_trials_on_one_chart(
+    cluster: Cluster, dash_browser: Any
+) -> None:
+    if cluster.grid_sweep is None:
+        pytest.skip("the grid sweep did not run")
+    context = dash_browser.new_context(base_url=cluster.api.url)
+    context.add_init_script(f"localStorage.setItem('trainq.token', {json.dumps(cluster.token)})")
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(f"/#/sweeps/{cluster.grid_sweep}")
+        page.wait_for_function("() => window.__trainq.sweep && window.__trainq.sweep.series === 4")
+        assert page.locator("[data-chart=sweep-loss] canvas").count() == 1
+        assert page.locator("table.sweep-trials tbody tr").count() == 4
+        labels = page.locator("[data-chart=sweep-loss] .u-legend .u-series").all_inner_texts()
+        assert sum("trial" in label for label in labels) == 4
+    finally:
+        context.close()
+    assert errors == []
 
 
 def _full_grid(tmp_path: Path, data: Path) -> dict[float, float]:
