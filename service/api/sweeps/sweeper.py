@@ -57,14 +57,19 @@ def trial_number(idempotency_key: str | None) -> int | None:
 
 
 def finish_sweep(session: Session, sweep_id: str, status: str, message: str) -> bool:
-    """The sweep's one end transition (running -> finished | cancelled), compare-and-set;
-    True if this call ended it. Whatever must happen when a sweep ends goes here."""
-    result = session.execute(
+    """The sweep's one end transition (running -> finished | cancelled), compare-and-set, in
+    the caller's transaction; True if this call ended it. Whatever must happen once when a
+    sweep ends (a ``sweep.finished`` event for its owner, say) goes here, beside the update."""
+    owner = session.execute(
         update(SWEEPS)
         .where(SWEEPS.c.id == sweep_id, SWEEPS.c.status == "running")
         .values(status=status, message=message, ended_at=utcnow())
-    )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+        .returning(SWEEPS.c.owner)
+    ).scalar()
+    if owner is None:
+        return False  # ended before (a replica's pass, a cancel): nothing happens twice
+    log.info("sweep %s of %s %s: %s", sweep_id, owner, status, message)
+    return True
 
 
 def limit_of(row: Any) -> int:
@@ -155,21 +160,23 @@ class Sweeper:
         )  # fmt: skip
         trials = {t.number: t for t in study.get_trials(deepcopy=False)}
         running = optuna.trial.TrialState.RUNNING
-        live: list[tuple[Any, Any]] = []
+        mine: list[tuple[Any, Any]] = []  # (Optuna trial, job) of the trials not yet told
         for job in jobs:
             trial = trials.get(trial_number(job.idempotency_key) or -1)
             if trial is None:
                 continue
             if job.status == "cancelling" and job.reason == STOPPED_EARLY:
                 done.stopping.append(job.id)  # the flag again, in case the last one was lost
-            if trial.state != running:
-                continue
-            if job.status in TERMINAL:
+            if trial.state == running:
+                mine.append((trial, job))
+        if row.early_stop is not None:
+            # A trial that ended since the last pass is reported too: the pruner compares the
+            # next trials with every trial's values at its rungs, however short it ran.
+            seen = [(t, j) for t, j in mine if j.status == "running" or j.status in TERMINAL]
+            self._prune(session, study, row.metric, seen, done)
+        for trial, job in mine:
+            if job.status in TERMINAL and study.trials[trial.number].state == running:
                 self._tell(study, trial, job, row.metric)
-            elif job.status == "running" and row.early_stop is not None:
-                live.append((trial, job))
-        if live:
-            self._prune(session, study, row.metric, live, done)
         active = sum(1 for job in jobs if job.status not in TERMINAL)
         proposed = row.proposed
         limit = limit_of(row)
@@ -219,7 +226,7 @@ class Sweeper:
     def _prune(
         self, session: Session, study: Any, metric: str, live: list[tuple[Any, Any]], done: _Pass
     ) -> None:
-        """Report the running trials' new points; stop the ones the pruner prunes."""
+        """Report the trials' new points; stop the running ones the pruner prunes."""
         import optuna
 
         points: dict[str, list[tuple[int, int, Any]]] = {}
@@ -243,7 +250,7 @@ class Sweeper:
                 if trial.should_prune():
                     pruned = True
                     break
-            if pruned:
+            if pruned and job.status == "running":  # one that ended already is told as it ended
                 study.tell(frozen.number, state=optuna.trial.TrialState.PRUNED)
                 done.outcome.extend(stop_early(session, job.id))
                 done.stopping.append(job.id)
