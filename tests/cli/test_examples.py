@@ -17,7 +17,8 @@ from service.local.demo import demo_spec
 from trainer.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SWEEPS = [REPO / "examples" / "sweep.yaml"]  # sweeps, not job specs: test_sweep_example
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p not in SWEEPS)
 
 
 def nested_models(ann: Any) -> list[tuple[str | None, type[BaseModel]]]:
@@ -56,6 +57,17 @@ def test_there_are_examples() -> None:
 def test_example_validates_as_a_job_spec(path: Path) -> None:
     spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
     assert spec.name and spec.train.steps >= 1
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_sweep_example_validates_as_a_sweep(path: Path) -> None:
+    from service.api.sweeps.schemas import SweepIn
+    from service.api.sweeps.space import check_space
+
+    sweep = SweepIn.model_validate(yaml.safe_load(path.read_text()))
+    base = JobSpec.model_validate(sweep.base).model_dump(mode="json")
+    check_space(base, dict(sweep.space))  # every path a spec field, every value a valid spec
+    assert sweep.budget >= sweep.parallelism
 
 
 def test_the_demo_job_is_a_valid_spec_of_the_tiny_ddp_shape() -> None:

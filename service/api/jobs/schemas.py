@@ -28,7 +28,9 @@ __all__ = [
     "PlanOut",
 ]
 
-JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+JobStatus = Literal[
+    "queued", "running", "cancelling", "succeeded", "failed", "cancelled", "stopped_early"
+]
 AttemptStatus = Literal["dispatched", "running", "exited", "lost"]
 
 
@@ -112,6 +114,8 @@ class JobOut(JobSummary):
         None, description='for a queued job: "no worker serves queue X" or "position N in queue X"'
     )
     attempts: list[AttemptOut] = Field(default_factory=list)
+    sweep: str | None = Field(None, description="the sweep this job is a trial of")
+    params: dict[str, Any] | None = Field(None, description="a trial's values, by dotted path")
 
 
 class JobList(BaseModel):
