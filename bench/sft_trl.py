@@ -41,8 +41,7 @@ TEMPLATE = (
 def build(root: Path, seq_len: int) -> None:
     """root/tok (tokenizer.json, tokenizer_config.json) and root/qwen (the model)."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 

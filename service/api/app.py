@@ -61,10 +61,10 @@ from service.api.scheduling.retention import Retention
 from service.api.streams import router as streams
 from service.api.streams.ingest import Ingestor
 from service.api.streams.sse import StreamHub
-from service.api.webhooks import router as webhook_routes
-from service.api.webhooks.delivery import Deliverer
 from service.api.sweeps import router as sweeps
 from service.api.sweeps.sweeper import Sweeper
+from service.api.webhooks import router as webhook_routes
+from service.api.webhooks.delivery import Deliverer
 from trainer.events import Keys
 
 __all__ = ["app", "build_services", "create_app", "error_response"]

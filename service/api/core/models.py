@@ -57,9 +57,9 @@ __all__ = [
     "LogChunk",
     "Metric",
     "OwnerLimit",
+    "Sweep",
     "Webhook",
     "WebhookDelivery",
-    "Sweep",
     "new_job_id",
     "utcnow",
 ]
@@ -369,6 +369,8 @@ class WebhookDelivery(Base):
         Index("ix_webhook_deliveries_endpoint_id_job_id_event_id", "endpoint_id", "job_id",
               "event_id"),
     )  # fmt: skip
+
+
 class Sweep(Base):
     """A hyperparameter search (service.api.sweeps): trials are jobs with ``jobs.sweep`` set.
     ``study`` is the Optuna study (sampler state and trials) as the searcher last committed
