@@ -203,7 +203,9 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
     device = init_distributed(env)
     stop = StopFlag()
     stop.install()
-    metrics = MetricsLogger(run_dir, env, enabled=env.is_main)
+    metrics = MetricsLogger(
+        run_dir, env, enabled=env.is_main, tracking=cfg.tracking, params=cfg.model_dump(mode="json")
+    )
     at = Position()
     try:
         return _run(cfg, run_dir, env, device, train_data, val_data, stop, metrics, at)
@@ -326,6 +328,8 @@ def _run(
             lora=cfg.lora.model_dump() if cfg.lora is not None else None,
             hf=cfg.checkpoint.hf == "every",
         )
+        if progress.step == cfg.steps:
+            metrics.final_checkpoint(path, progress.step)
         if env.is_main and cfg.checkpoint.hf == "every" and not stop.requested:
             from trainer.publish import publish  # step-N/hf/; the other ranks wait for it
 

@@ -37,8 +37,12 @@ def _tables(url: str) -> set[str]:
 
 def _round_trip(url: str) -> None:
     migrate.upgrade(url)
-    assert migrate.current(url) == "0008"
+    assert migrate.current(url) == "0009"
     assert _tables(url) == set(Base.metadata.tables)
+    migrate.downgrade(url, "0008")  # 0009 alone: owner_limits.tracking
+    assert migrate.drift(url) != []
+    migrate.upgrade(url)
+    assert migrate.drift(url) == []
     migrate.downgrade(url, "0007")  # 0008 alone: datasets.report and the wider format
     assert migrate.drift(url) != []
     migrate.upgrade(url)

@@ -166,3 +166,32 @@ def test_nodes_writing_the_run_config_at_once_never_collide(tmp_path: Path) -> N
     assert errors == []
     assert json.loads((tmp_path / "config.json").read_text()) == train
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_tracker_credentials_reach_only_runs_that_track_there(tmp_path: Path) -> None:
+    from trainer.config import load_config
+    from worker.launch import owner_secrets, trackers_of
+
+    parent = {"WANDB_API_KEY": "worker-key", "MLFLOW_TRACKING_TOKEN": "worker-token"}
+    base = {"gpus": None, "redis_url": "r", "redis_prefix": "p", "job_id": "j", "attempt": 1,
+            "threads": 1}  # fmt: skip
+    quiet = build_env(parent, **base, trackers=trackers_of(load_config({})))  # type: ignore[arg-type]
+    assert "WANDB_API_KEY" not in quiet and "MLFLOW_TRACKING_TOKEN" not in quiet
+    assert "TRAINQ_TRACKING_ALLOW_PRIVATE" not in quiet
+    wandb = load_config({"tracking": {"wandb": {"project": "p"}}})
+    assert trackers_of(wandb) == ["wandb"]
+    env = build_env(parent, **base, trackers=["wandb"], tracking_allow_private=True)  # type: ignore[arg-type]
+    assert env["WANDB_API_KEY"] == "worker-key" and "MLFLOW_TRACKING_TOKEN" not in env
+    assert env["TRAINQ_TRACKING_ALLOW_PRIVATE"] == "1"
+
+    # An owner's own key, set by an admin on the worker host, wins for that owner's runs.
+    (tmp_path / "alice").mkdir()
+    (tmp_path / "alice" / "WANDB_API_KEY").write_text("alice-key\n")
+    (tmp_path / "alice" / "MLFLOW_TRACKING_TOKEN").symlink_to(tmp_path / "alice" / "WANDB_API_KEY")
+    found = owner_secrets(tmp_path, "alice", ["wandb", "mlflow"])
+    assert found == {"WANDB_API_KEY": "alice-key"}  # the link is not followed
+    env = build_env(parent, **base, trackers=["wandb"], secrets=found)  # type: ignore[arg-type]
+    assert env["WANDB_API_KEY"] == "alice-key"
+    assert owner_secrets(tmp_path, "bob", ["wandb"]) == {}
+    assert owner_secrets(tmp_path, "../alice", ["wandb"]) == {}
+    assert owner_secrets(None, "alice", ["wandb"]) == {}
