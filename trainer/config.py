@@ -341,9 +341,7 @@ class MlflowConfig(_Strict):
     experiment: str = Field("trainq", min_length=1, max_length=256)
     run_name: str | None = Field(None, min_length=1, max_length=256)  # default: job-attempt
 
-    _no_nul = field_validator("experiment", "run_name")(
-        lambda v: v if v is None else reject_nul(v)
-    )
+    _no_nul = field_validator("experiment", "run_name")(lambda v: v if v is None else reject_nul(v))
     _keys = model_validator(mode="before")(_no_keys)
 
     @field_validator("tracking_uri")

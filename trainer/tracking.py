@@ -5,10 +5,11 @@ record trainq itself logs (the numbers ``GET /v1/jobs/{id}/metrics`` returns, wi
 step and time), and the final checkpoint's location (a tag). Weights & Biases and MLflow
 are optional packages (the ``track`` extra), imported only here, on rank 0, when configured.
 
-A tracker never fails or slows the job: the training thread only puts records on a bounded
-queue, and one background thread connects, sends, and drops. When the queue is full, or a
-tracker fails (down, slow, refused, not installed), its records are dropped from then on
-with ONE warning line on stderr; closing waits a bounded time. An MLflow URI is an outbound
+A tracker never fails or slows the job: the training thread only puts records on each
+tracker's bounded queue, and that tracker's own background thread connects, sends, and
+drops. When its queue is full, or it fails (down, slow, refused, not installed), its records
+are dropped (from then on, for a failure) with ONE warning line on stderr for that tracker;
+the run's end waits for them at most ``CLOSE_S``. An MLflow URI is an outbound
 URL (``trainer.outbound``): checked again here, with its name resolved, before the client
 connects (the client resolves the name again itself: a DNS answer that changes in between
 is the gap that remains).
@@ -28,9 +29,12 @@ from typing import Any, Protocol
 from trainer.config import MlflowConfig, TrackingConfig, WandbConfig
 from trainer.outbound import OutboundRefused, check_url, pinned_addresses
 
-__all__ = ["QUEUE_SIZE", "Tracker", "flatten"]
+__all__ = ["CLOSE_S", "QUEUE_SIZE", "Tracker", "flatten"]
 
-QUEUE_SIZE = 10_000  # records waiting for the sender; past it they are dropped
+QUEUE_SIZE = 10_000  # records waiting for a tracker's sender; past it they are dropped
+# How long the end of a run waits for the trackers to send what they have queued (their
+# client libraries start slowly: importing mlflow and starting wandb take seconds each).
+CLOSE_S = 30.0
 _SKIP = ("step", "steps", "time")  # the step is the x axis, time the timestamp
 _STOP = object()
 
@@ -162,8 +166,84 @@ class _Wandb:
         self.run.finish()
 
 
+class _Sender:
+    """One tracker's bounded queue and the thread that drains it into the tracker."""
+
+    def __init__(self, backend: _Backend, params: dict[str, Any], maxsize: int) -> None:
+        self.backend = backend
+        self.params = params
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize)
+        self.warned = False  # at most one line for this tracker's trouble
+        self.thread = threading.Thread(target=self._send, name=f"tracking-{backend.name}")
+        self.thread.daemon = True
+        self.thread.start()
+
+    def put(self, item: Any) -> None:
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            self.warn(
+                f"{self.backend.name} falls behind ({self.queue.maxsize} records waiting);"
+                " records are dropped while its queue is full"
+            )
+
+    def stop(self, deadline: float) -> bool:
+        """Send what is queued, by ``deadline`` (time.monotonic); False if not done by then."""
+        try:
+            self.queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            pass
+        else:
+            self.thread.join(max(0.0, deadline - time.monotonic()))
+        return not self.thread.is_alive()
+
+    def _send(self) -> None:
+        live = self._call("start", self.params)
+        while True:
+            batch = [self.queue.get()]
+            while batch[-1] is not _STOP and len(batch) < 1000:  # one request for many steps
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            items = [x for x in batch if x is not _STOP]
+            logs = [x[1] for x in items if x[0] == "log"]
+            if live and logs:
+                live = self._call("log", logs)
+            for tags in (x[1] for x in items if x[0] == "tag"):
+                live = live and self._call("tag", tags)
+            if batch[-1] is _STOP:
+                if live:
+                    self._call("close")
+                return
+
+    def _call(self, what: str, *args: Any) -> bool:
+        name = self.backend.name
+        try:
+            getattr(self.backend, what)(*args)
+        except ModuleNotFoundError as exc:
+            self.warn(f"{name}: {exc.name} is not installed on this worker"
+                      " (pip install 'trainq[track]'); nothing is sent to it")  # fmt: skip
+            return False
+        except OutboundRefused as exc:
+            self.warn(f"{name}: tracking_uri refused: {exc}; nothing is sent to it")
+            return False
+        except Exception as exc:  # down, refused, slow: the job goes on without it
+            line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            self.warn(f"{name} failed ({type(exc).__name__}: {line[:300]}) in {what};"
+                      " its records are dropped from here on")  # fmt: skip
+            return False
+        return True
+
+    def warn(self, line: str) -> None:
+        if not self.warned:
+            self.warned = True
+            print(f"trainer: tracking: warning: {line}", file=sys.stderr, flush=True)
+
+
 class Tracker:
-    """The trackers of one run; every method returns at once (see the module docstring)."""
+    """The trackers of one run, each with its own queue and thread, so that one that is
+    slow holds up neither the job nor the other; every method returns at once."""
 
     def __init__(
         self,
@@ -184,89 +264,24 @@ class Tracker:
         if cfg.wandb is not None:
             name = cfg.wandb.name or job_id
             backends.append(_Wandb(cfg.wandb, name, f"{job_id}-{attempt}", run_dir))
-        self._backends = backends
-        self._params = params
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize)
-        self._full_warned = False
-        self._warned = False  # any warning line yet (a close that times out adds none then)
-        self._thread = threading.Thread(target=self._send, name="tracking", daemon=True)
-        self._thread.start()
+        self._senders = [_Sender(b, params, maxsize) for b in backends]
 
     def log(self, record: dict[str, Any]) -> None:
-        self._put(("log", record))
+        for sender in self._senders:
+            sender.put(("log", record))
 
     def tag(self, tags: dict[str, str]) -> None:
-        self._put(("tag", tags))
+        for sender in self._senders:
+            sender.put(("tag", tags))
 
-    def _put(self, item: Any) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            if not self._full_warned:
-                self._full_warned = True
-                self._warn(
-                    f"the trackers fall behind ({self._queue.maxsize} records waiting);"
-                    " records are dropped while the queue is full"
-                )
-
-    def close(self, timeout: float = 10.0) -> bool:
-        """Send what is queued, within ``timeout`` seconds; False if that was not enough."""
+    def close(self, timeout: float = CLOSE_S) -> bool:
+        """Send what is queued, within ``timeout`` seconds in all; False if that was not
+        enough for some tracker (its rest is dropped, with its one warning line)."""
         deadline = time.monotonic() + timeout
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
-        else:
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        if not self._thread.is_alive():
-            return True
-        if not self._warned:
-            self._warn(f"the trackers did not finish within {timeout:.0f}s; the rest is dropped")
-        return False
-
-    def _send(self) -> None:
-        live = []
-        for backend in self._backends:
-            if self._call(backend, "start", self._params):
-                live.append(backend)
-        while True:
-            batch = [self._queue.get()]
-            while batch[-1] is not _STOP and len(batch) < 1000:  # one request for many steps
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            items = [x for x in batch if x is not _STOP]
-            logs = [x[1] for x in items if x[0] == "log"]
-            tags = [x[1] for x in items if x[0] == "tag"]
-            for backend in list(live):
-                ok = not logs or self._call(backend, "log", logs)
-                for t in tags:
-                    ok = ok and self._call(backend, "tag", t)
-                if not ok:
-                    live.remove(backend)
-            if batch[-1] is _STOP:
-                for backend in live:
-                    self._call(backend, "close")
-                return
-
-    def _call(self, backend: _Backend, what: str, *args: Any) -> bool:
-        try:
-            getattr(backend, what)(*args)
-        except ModuleNotFoundError as exc:
-            self._warn(f"{backend.name}: {exc.name} is not installed on this worker"
-                  " (pip install 'trainq[track]'); nothing is sent to it")  # fmt: skip
-            return False
-        except OutboundRefused as exc:
-            self._warn(f"{backend.name}: tracking_uri refused: {exc}; nothing is sent to it")
-            return False
-        except Exception as exc:  # down, refused, slow: the job goes on without it
-            line = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            self._warn(f"{backend.name} failed ({type(exc).__name__}: {line[:300]}) in {what};"
-                  " its records are dropped from here on")  # fmt: skip
-            return False
-        return True
-
-    def _warn(self, line: str) -> None:
-        self._warned = True
-        print(f"trainer: tracking: warning: {line}", file=sys.stderr, flush=True)
+        done = True
+        for sender in self._senders:
+            if not sender.stop(deadline):
+                done = False
+                sender.warn(f"{sender.backend.name} did not finish within {timeout:.0f}s"
+                            " of the run's end; the rest is dropped")  # fmt: skip
+        return done

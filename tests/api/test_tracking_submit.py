@@ -57,8 +57,9 @@ def test_a_public_uri_is_stored_and_the_owners_default_fills_in(api: Api) -> Non
     mine = {"mlflow": {"tracking_uri": "https://93.184.216.34:5000", "experiment": "e"}}
     resp = _post(api, mine)
     assert resp.status_code == 201, resp.text
-    assert resp.json()["train"]["tracking"]["mlflow"]["tracking_uri"] == mine["mlflow"]["tracking_uri"]
-    assert resp.json()["train"]["tracking"]["wandb"] is None  # the spec's own wins whole
+    stored = resp.json()["train"]["tracking"]
+    assert stored["mlflow"]["tracking_uri"] == mine["mlflow"]["tracking_uri"]
+    assert stored["wandb"] is None  # the spec's own wins whole
 
     job = api.submit()  # names no tracker: the owner's default
     assert job["train"]["tracking"]["wandb"]["project"] == "team"

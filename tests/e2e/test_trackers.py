@@ -4,7 +4,7 @@ starts (SQLite backend, loopback) and to a W&B offline run in its run folder.
 
 Read back with the trackers' own readers: MLflow's ``MlflowClient`` must hold every point
 the job's metrics API returns, at its step, with the same value; the W&B run's history
-(its ``.wandb`` file, read with wandb's own ``DataStore``, what ``wandb sync`` reads) holds
+(its ``.wandb`` log, what ``wandb sync`` uploads, read with ``wandb leet inspect``) holds
 the job's losses. A tracker that is down (a URI to a closed port) costs the job nothing but
 one warning line in its log.
 """
@@ -12,6 +12,7 @@ one warning line in its log.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -62,9 +63,11 @@ class MlflowServer:
             *("--default-artifact-root", str(root / "artifacts")),
             *("--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--workers", "1"),
         ]
+        # Its job runner (huey consumers, for GenAI evaluation jobs) is nothing tracking needs.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
     def wait(self, timeout: float = 90) -> str:
@@ -136,22 +139,31 @@ def _get(api: Api, path: str, **params: Any) -> httpx.Response:
 
 
 def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The history rows of the run's offline .wandb file, read with wandb's own reader."""
-    import json
+    """The history rows of the run's offline .wandb log, read by wandb's own CLI
+    (``wandb leet inspect --json``: one JSON record a line)."""
+    [folder] = run_dir.glob("wandb/offline-run-*")
+    assert list(folder.glob("run-*.wandb")), "the offline run's transaction log, for wandb sync"
+    wandb_cli = str(Path(sys.executable).with_name("wandb"))
+    out = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--json", str(folder)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [r["history"]["item"] for r in records if r.get("type") == "history"]
 
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
 
-    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    store = datastore.DataStore()
-    store.open_for_scan(str(path))
-    rows = []
-    while (data := store.scan_data()) is not None:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({i.key: json.loads(i.value_json) for i in record.history.item})
-    return rows
+# First: it runs while the mlflow server is still starting.
+def test_a_tracker_that_is_down_costs_the_job_one_warning_line(api: Api) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"  # free a moment ago: nothing listens there
+    tracking = {"mlflow": {"tracking_uri": closed}}
+    job_id = _submit(api, "tracker-down", {**TRAIN, "tracking": tracking})
+    job = _finished(api, job_id)
+    logs = _get(api, f"/v1/jobs/{job_id}/logs").text
+    assert job["status"] == "succeeded", (job, logs)
+    warnings = [line for line in logs.splitlines() if WARNING in line]
+    assert len(warnings) == 1 and "mlflow" in warnings[0], logs
+    points = _get(api, f"/v1/jobs/{job_id}/metrics").json()["points"]
+    assert len(points) == STEPS
 
 
 def test_a_job_logs_to_mlflow_and_wandb_the_numbers_of_its_metrics_api(
@@ -196,16 +208,3 @@ def test_a_job_logs_to_mlflow_and_wandb_the_numbers_of_its_metrics_api(
     assert {int(r["_step"]): r["val_loss"] for r in history if "val_loss" in r} == {
         p["step"]: p["val_loss"] for p in points if p["val_loss"] is not None
     }
-
-
-def test_a_tracker_that_is_down_costs_the_job_one_warning_line(api: Api) -> None:
-    closed = f"http://127.0.0.1:{free_port()}"  # free a moment ago: nothing listens there
-    tracking = {"mlflow": {"tracking_uri": closed}}
-    job_id = _submit(api, "tracker-down", {**TRAIN, "tracking": tracking})
-    job = _finished(api, job_id)
-    logs = _get(api, f"/v1/jobs/{job_id}/logs").text
-    assert job["status"] == "succeeded", (job, logs)
-    warnings = [line for line in logs.splitlines() if WARNING in line]
-    assert len(warnings) == 1 and "mlflow" in warnings[0], logs
-    points = _get(api, f"/v1/jobs/{job_id}/metrics").json()["points"]
-    assert len(points) == STEPS

@@ -102,5 +102,4 @@ def test_a_slow_tracker_fills_the_queue_and_drops_with_one_warning(
         assert time.perf_counter() - t0 < 1.0  # dropped, not waited for
         assert tracker.close(timeout=20)
     err = capfd.readouterr().err
-    assert err.count("fall behind") == 1, err
-    assert err.count("mlflow failed") == 1, err
+    assert err.count("trainer: tracking: warning") == 1 and "falls behind" in err, err

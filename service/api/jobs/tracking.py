@@ -58,7 +58,7 @@ def check_tracking(spec: JobSpec, settings: Settings) -> None:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         pinned_addresses(parts.hostname or "", port, allow_private=allow)
     except OutboundRefused as exc:
-        hint = "" if allow else " (an admin allows private addresses: TRAINQ_TRACKING_ALLOW_PRIVATE=1)"
+        hint = "" if allow else " (an admin allows private ones: TRAINQ_TRACKING_ALLOW_PRIVATE=1)"
         raise InvalidInput.at(
             ["body", "train", "tracking", "mlflow", "tracking_uri"], f"{_FIELD}: {exc}{hint}"
         ) from None

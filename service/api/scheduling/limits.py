@@ -227,7 +227,9 @@ def set_limits(
     return row
 
 
-def set_tracking(session: Session, owner: str, tracking: dict[str, Any] | None) -> OwnerLimit | None:
+def set_tracking(
+    session: Session, owner: str, tracking: dict[str, Any] | None
+) -> OwnerLimit | None:
     """The owner's default ``train.tracking`` (a TrackingConfig's JSON, validated by the
     caller), or None to remove it; its limits stay as they are. Returns the row, if any."""
     row = session.get(OwnerLimit, owner)
