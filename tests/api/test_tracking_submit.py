@@ -5,11 +5,15 @@ no tracker."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
-from service.api.scheduling.limits import set_tracking
+from service.api.core.models import OwnerLimit
+from service.api.scheduling.limits import set_limits, set_tracking
+from service.cli import main as cli
 from tests.api.support import Api
 
 FIELD = ["body", "train", "tracking", "mlflow", "tracking_uri"]
@@ -50,10 +54,20 @@ def test_keys_in_the_spec_are_refused(api: Api, tracking: dict[str, Any]) -> Non
     assert "key" in resp.text or "credentials" in resp.text
 
 
-def test_a_public_uri_is_stored_and_the_owners_default_fills_in(api: Api) -> None:
-    default = {"wandb": {"project": "team", "mode": "offline", "tags": ["nightly"]}}
-    with api.services.sessions.begin() as session:
-        set_tracking(session, api.user, default)
+def _trainq(api: Api, *args: str) -> Any:
+    env = {"TRAINQ_DATABASE_URL": api.settings.database_url}
+    return CliRunner().invoke(cli.app, ["token", "tracking", *args], env=env)
+
+
+def test_a_public_uri_is_stored_and_the_owners_default_fills_in(api: Api, tmp_path: Path) -> None:
+    spec = tmp_path / "tracking.yaml"
+    spec.write_text("wandb: {project: team, api_key: 0123456789abcdef0123456789abcdef01234567}\n")
+    refused = _trainq(api, api.user, str(spec))
+    assert refused.exit_code == 2 and "keys never go in a spec" in refused.output
+    spec.write_text("wandb: {project: team, mode: offline, tags: [nightly]}\n")
+    made = _trainq(api, api.user, str(spec))
+    assert made.exit_code == 0, made.output
+    assert '"project": "team"' in made.stdout and "nightly" in made.stdout
     mine = {"mlflow": {"tracking_uri": "https://93.184.216.34:5000", "experiment": "e"}}
     resp = _post(api, mine)
     assert resp.status_code == 201, resp.text
@@ -68,3 +82,13 @@ def test_a_public_uri_is_stored_and_the_owners_default_fills_in(api: Api) -> Non
     assert resp.status_code == 201 and resp.json()["train"]["tracking"] == {
         "wandb": None, "mlflow": None,
     }  # fmt: skip
+    with api.services.sessions.begin() as session:  # the owner's limits are kept by a clear
+        set_limits(session, api.user, max_queued=100)
+    cleared = _trainq(api, api.user, "--clear")
+    assert cleared.exit_code == 0 and cleared.stdout.strip() == f"{api.user}: tracking=-"
+    with api.services.sessions.begin() as session:
+        row = session.get(OwnerLimit, api.user)
+        assert row is not None and row.tracking is None and row.max_queued == 100
+        set_tracking(session, api.user, None)
+        set_limits(session, api.user, clear=True)
+        assert session.get(OwnerLimit, api.user) is None
