@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from trainer.config import MlflowConfig, TrackingConfig, WandbConfig
 from trainer.outbound import OutboundRefused, check_url, pinned_addresses
 
-__all__ = ["CLOSE_S", "QUEUE_SIZE", "Tracker", "flatten"]
+__all__ = ["CLOSE_S", "QUEUE_SIZE", "Tracker", "abandoned", "flatten"]
 
 QUEUE_SIZE = 10_000  # records waiting for a tracker's sender; past it they are dropped
 # How long the end of a run waits for the trackers to send what they have queued (their
@@ -37,6 +37,15 @@ QUEUE_SIZE = 10_000  # records waiting for a tracker's sender; past it they are 
 CLOSE_S = 30.0
 _SKIP = ("step", "steps", "time")  # the step is the x axis, time the timestamp
 _STOP = object()
+# Set when a run's end gave up on a tracker: its library may still hold the interpreter's
+# exit (wandb's atexit teardown waits for its service, ~90 s when the server is unreachable),
+# so trainer.__main__ then exits without running atexit handlers (see ``abandoned``).
+_ABANDONED = threading.Event()
+
+
+def abandoned() -> bool:
+    """Whether this process gave up on a tracker that may still be at work."""
+    return _ABANDONED.is_set()
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -282,6 +291,7 @@ class Tracker:
         for sender in self._senders:
             if not sender.stop(deadline):
                 done = False
+                _ABANDONED.set()
                 sender.warn(f"{sender.backend.name} did not finish within {timeout:.0f}s"
                             " of the run's end; the rest is dropped")  # fmt: skip
         return done
