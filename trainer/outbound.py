@@ -20,6 +20,7 @@ __all__ = ["OutboundRefused", "check_url", "pinned_addresses"]
 _METADATA = frozenset(
     {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
 )
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 
 
@@ -33,6 +34,8 @@ def _refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allow_private: b
         mapped = ip.ipv4_mapped or ip.sixtofour
         if mapped is None and ip.packed[:12] == bytes(12) and int(ip) > 1:
             mapped = ipaddress.IPv4Address(ip.packed[12:])  # IPv4-compatible ::a.b.c.d
+        if mapped is None and ip in _NAT64:
+            mapped = ipaddress.IPv4Address(ip.packed[12:])  # 64:ff9b::a.b.c.d reaches a.b.c.d
         if mapped is not None:
             return _refusal(mapped, allow_private)
     if ip in _METADATA:

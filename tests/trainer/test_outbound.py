@@ -21,6 +21,9 @@ REFUSED = [
     "http://224.0.0.1/",
     "http://100.64.0.1/",  # shared address space (carrier NAT)
     "http://[fe80::1]/",
+    "http://[64:ff9b::7f00:1]/",  # NAT64 to 127.0.0.1
+    "http://[2002:a00:1::]/",  # 6to4 of 10.0.0.1
+    "http://[::127.0.0.1]/",  # IPv4-compatible
 ]
 
 
