@@ -29,9 +29,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.config import TrackingConfig  # noqa: E402
-from trainer.env import TrainerEnv  # noqa: E402
-from trainer.metrics import MetricsLogger  # noqa: E402
+from trainer.config import TrackingConfig
+from trainer.env import TrainerEnv
+from trainer.metrics import MetricsLogger
 
 
 def run(tracking: TrackingConfig | None, steps: int, root: Path, name: str) -> dict[str, Any]:
