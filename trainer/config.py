@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -305,7 +306,9 @@ def _no_keys(value: Any) -> Any:
                 raise ValueError(f"field {name!r} is not allowed: {_KEYS_GO}")
             for text in item if isinstance(item, list) else [item]:
                 if isinstance(text, str) and _KEY_VALUE.search(text):
-                    raise ValueError(f"{name} looks like an API key: {_KEYS_GO}")
+                    raise ValueError(
+                        f"{name} looks like an API key ({_KEYS_GO}; a git commit: its short form)"
+                    )
     return value
 
 
@@ -351,7 +354,9 @@ class MlflowConfig(_Strict):
 
         # The form only (http(s), a host, no credentials); whether its address may be
         # reached is the service's and the worker's setting, checked at submit and in the run.
-        check_url(v, allow_private=True)
+        parts = check_url(v, allow_private=True)
+        if any(_KEY_NAME.search(k) for k in urllib.parse.parse_qs(parts.query)):
+            raise ValueError(f"the URI's query carries a key: {_KEYS_GO}")
         return v
 
 

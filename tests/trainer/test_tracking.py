@@ -24,6 +24,7 @@ KEY = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API key
         ({"wandb": {"project": "p", "tags": ["ok", f"wandb_v1_{KEY}"]}}, "looks like an API key"),
         ({"mlflow": {"tracking_uri": "http://u:pw@example.com/"}}, "credentials"),
         ({"mlflow": {"tracking_uri": "http://example.com/", "token": "x"}}, "token"),
+        ({"mlflow": {"tracking_uri": "http://example.com/?access_token=x"}}, "query"),
         ({"mlflow": {"tracking_uri": "file:///tmp/mlruns"}}, "http"),
         ({"mlflow": {"tracking_uri": "http://169.254.169.254/"}}, "metadata"),
         ({"wandb": {"project": "a/b"}}, "project"),
