@@ -38,7 +38,8 @@ each assistant message's character span, the text that carries loss:
   end of turn (``Hello.<|im_end|>\n`` in ChatML), so the model also learns to stop. Each
   render must begin with the one before (``ChatTemplateError`` otherwise: mark the turns).
 
-``render`` itself is unchanged by this: its environment knows no ``generation`` tag.
+``render`` (serving: the chat completions route) accepts the tag too and renders its body
+as is, as ``apply_chat_template`` does, so a template written for training serves unchanged.
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 @lru_cache(maxsize=32)
-def _compile(template: str, spans: bool = False) -> Any:
+def _compile(template: str) -> Any:
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    extensions: list[Any] = [loopcontrols]
-    if spans:
-        extensions.append(_generation_extension())
+    # {% generation %} is always known: serving renders a template that marks the answers
+    # for training as transformers does, the tag's body as is (recorded only in render_spans).
+    extensions: list[Any] = [loopcontrols, _generation_extension()]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
@@ -161,7 +162,7 @@ def _generation_extension() -> Any:
 def _marked_spans(
     template: str, messages: list[dict[str, Any]], bos_token: str, eos_token: str
 ) -> tuple[str, list[tuple[int, int]]]:
-    compiled = _compile(template, spans=True)
+    compiled = _compile(template)
     blocks: list[str] = []
     _TRACK.blocks, _TRACK.spans = blocks, []
     try:

@@ -61,7 +61,7 @@ from trainer.hf_io import (
 from trainer.lora import LoRALinear, drop_lora
 from trainer.models import vocab_size
 from trainer.restore import ATOL, ExportError, checkpoint_config, load_model
-from trainer.tokenizer import BYTE, TOKENIZER_FILE, Special, special_tokens
+from trainer.tokenizer import BYTE, TOKENIZER_FILE, Special, chat_template, special_tokens
 
 __all__ = ["byte_level_tokenizer", "check_init", "load_init", "write_hf", "write_peft"]
 
@@ -306,6 +306,7 @@ class _Tok:
     text: str
     specials: dict[str, Special]
     byte: bool
+    chat_template: str | None = None  # the dataset's tokenizer_config.json's
 
 
 def _read_tokenizer(tokenizer: Tokenizer) -> _Tok | None:
@@ -318,7 +319,7 @@ def _read_tokenizer(tokenizer: Tokenizer) -> _Tok | None:
         text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read the dataset's tokenizer {path}: {exc}") from None
-    return _Tok(text, special_tokens(path), False)
+    return _Tok(text, special_tokens(path), False, chat_template(path))
 
 
 def _token_ids(specials: dict[str, Special]) -> dict[str, int | None]:
@@ -355,6 +356,8 @@ def _write_tokenizer(folder: Path, tok: _Tok | None, seq_len: int) -> None:
         # config.json and generation_config.json declare no eos, so generate does not stop at
         # it, as trainq's own generation does not.
         settings["eos_token"] = _bytes_to_unicode()[0]
+    if tok.chat_template is not None:  # the model is served and chatted with as it trained
+        settings["chat_template"] = tok.chat_template
     _write_json(folder / TOKENIZER_CONFIG, settings)
 
 

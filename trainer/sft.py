@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from trainer.chat import ChatTemplateError, render_spans
+from trainer.data import pack_rows
 from trainer.sft_lines import (
     MAX_PROBLEMS,
     ROLES,
@@ -59,6 +60,7 @@ __all__ = [
     "build_examples",
     "check_line",
     "encode_example",
+    "packing_efficiency",
     "read_lines",
 ]
 
@@ -144,6 +146,11 @@ class SftReport:
     overlong: str = "drop"
     train_on_inputs: bool = False
     chat_template: str = "default"  # "tokenizer" when the tokenizer's own rendered them
+    longest: int = 0  # tokens of the longest kept example
+    # Packed (train.data.packing) into rows of packing_seq_len predictions, as a job with
+    # that seq_len packs them: max_len - 1, else longest - 1 (the shortest that fits all).
+    packing_seq_len: int = 0
+    packing_efficiency: float = 0.0  # the share of the rows' slots that are examples' tokens
     # Where each kept example starts in the tokens (not in the record: the .docs files)
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -204,4 +211,19 @@ def build_examples(
     report.tokens = int(all_ids.size)
     report.target_tokens = int(all_mask.sum())
     report.loss_share = round(report.target_tokens / report.tokens, 6)
+    lengths = np.array([a.size for a in ids], dtype=np.int64)
+    report.longest = int(lengths.max())
+    report.packing_seq_len, report.packing_efficiency = packing_efficiency(lengths, max_len)
     return all_ids, all_mask, report, problems
+
+
+def packing_efficiency(lengths: np.ndarray, max_len: int | None) -> tuple[int, float]:
+    """The seq_len the report packs at (see ``SftReport``) and the share of the packed rows'
+    slots that are examples' tokens there (``TokenDataset``'s packing: an example of ``L``
+    tokens makes ``L - 1`` predictions; examples of one token are left out)."""
+    seq_len = max(1, (max_len if max_len is not None else int(lengths.max())) - 1)
+    preds = np.minimum(lengths[lengths >= 2], seq_len + 1) - 1
+    if preds.size == 0:
+        return seq_len, 0.0
+    _, _, n_rows = pack_rows(preds, seq_len)
+    return seq_len, round(float(preds.sum()) / (n_rows * seq_len), 6)

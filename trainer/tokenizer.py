@@ -33,6 +33,7 @@ __all__ = [
     "TOKENIZER_FILE",
     "Special",
     "TokenizerError",
+    "chat_template",
     "dataset_tokenizer",
     "eos_ids",
     "special_tokens",
@@ -212,3 +213,12 @@ def eos_ids(dataset_dir: str | os.PathLike[str]) -> list[int]:
         return [int(i) for i in listed]
     eos = special_tokens(found).get("eos")
     return [] if eos is None else [eos.id]
+
+
+def chat_template(tokenizer: str | os.PathLike[str]) -> str | None:
+    """The ``chat_template`` of the ``tokenizer_config.json`` beside the Hugging Face
+    ``tokenizer.json`` at ``tokenizer`` (a dataset keeps the upload's), if it has one: what
+    an export carries, so the model's users render chats as training did."""
+    config = _json(Path(tokenizer).with_name("tokenizer_config.json"), _SIDE_LIMIT)
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    return template if isinstance(template, str) and template else None

@@ -46,6 +46,7 @@ from service.api.core.errors import (
 from service.api.core.settings import Settings
 from service.api.datasets import router as dataset_routes
 from service.api.datasets.work import DatasetWork
+from service.api.events import router as event_routes
 from service.api.generation import openai_errors
 from service.api.generation import router as generate
 from service.api.generation.inflight import InFlight
@@ -60,6 +61,8 @@ from service.api.scheduling.retention import Retention
 from service.api.streams import router as streams
 from service.api.streams.ingest import Ingestor
 from service.api.streams.sse import StreamHub
+from service.api.webhooks import router as webhook_routes
+from service.api.webhooks.delivery import Deliverer
 from trainer.events import Keys
 
 __all__ = ["app", "build_services", "create_app", "error_response"]
@@ -381,6 +384,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.reconcile and settings.retention_days > 0:
             retention = Retention(settings, services.sessions, services.redis)
             threads.append(threading.Thread(target=retention.run, args=(stop,), name="retention"))
+        if settings.webhook_deliver:
+            deliverer = Deliverer(settings, services.sessions)
+            threads.append(threading.Thread(target=deliverer.run, args=(stop,), name="webhooks"))
         for t in threads:
             t.daemon = True
             t.start()
@@ -428,6 +434,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(checkpoint_routes.router)
     app.include_router(dataset_routes.router)
     app.include_router(generate.router)
+    app.include_router(event_routes.router)
+    app.include_router(webhook_routes.router)
     app.include_router(health.router)
     app.include_router(dashboard.router)
     app.add_middleware(

@@ -94,24 +94,33 @@ def _line(d: dict[str, Any]) -> str:
         )
     elif d.get("reason"):
         text += f": {' '.join(str(d['reason']).split())}"
+    lines = [text]
     report = d.get("report")
     if d.get("status") == "ready" and isinstance(report, dict):
-        text += "\n" + _report_line(report)
-    return clean(text)
+        lines += _report_line(report).split("\n")
+    return "\n".join(clean(line) for line in lines)  # each cleaned: its own newlines escaped
 
 
 def _report_line(r: dict[str, Any]) -> str:
-    """``12 examples, 3,456 tokens, 21.5% carry loss; dropped: 2 too_long; truncated: 0``."""
+    """``12 examples, 3,456 tokens, 21.5% carry loss; dropped: 2 too_long; truncated: 0``,
+    then the longest example and the packing a job would get (``trainer.sft.SftReport``)."""
     dropped = r.get("dropped") or {}
     gone = ", ".join(f"{n} {why}" for why, n in dropped.items()) if dropped else "none"
     share = float(r.get("loss_share") or 0.0)
-    return (
+    text = (
         f"{r.get('examples')} examples, {r.get('tokens')} tokens, {100 * share:.1f}% carry"
         f" loss ({r.get('target_tokens')} target tokens); dropped: {gone}; truncated:"
         f" {r.get('truncated', 0)} (max_len {r.get('max_len')}, {r.get('overlong')});"
         f" train_on_inputs {str(bool(r.get('train_on_inputs'))).lower()}, chat template:"
         f" {r.get('chat_template')}"
     )
+    if r.get("longest"):  # datasets prepared before these fields have none
+        packed = float(r.get("packing_efficiency") or 0.0)
+        text += (
+            f"\nlongest example {r.get('longest')} tokens; packed (train.data.packing) at"
+            f" seq_len {r.get('packing_seq_len')}: {100 * packed:.1f}% of the rows are tokens"
+        )
+    return text
 
 
 def register(data_app: typer.Typer) -> None:

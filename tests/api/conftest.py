@@ -60,6 +60,7 @@ def make_settings(
             "auth": "on",
             "ingest": False,
             "reconcile": False,
+            "webhook_deliver": False,  # tests/api/test_webhooks.py starts its own
             # Submit sends at once (the fifo scheduler): these tests drive dispatch, the
             # reconciler and the ingestor directly; test_admit.py drives the admitter.
             "scheduler": "fifo",

@@ -103,3 +103,33 @@ def test_the_tokenizers_chat_template_renders_and_travels(api: Api) -> None:
     ids, mask = np.asarray(ds.shards[0]), np.asarray(ds.masks[0])  # type: ignore[index]
     answer = tok.decode(ids[mask == 1][:5].tolist(), skip_special_tokens=False)
     assert answer.split() == ["the", "quick", "brown", "fox", "</s>"]
+
+
+def test_submit_checks_packing_against_the_dataset(api: Api) -> None:
+    from tests.api.test_datasets import TEXT
+
+    def submit(dataset: str, seq_len: int, packing: bool = True) -> Any:
+        model = {"n_layer": 1, "n_head": 1, "d_model": 8, "seq_len": seq_len, "vocab_size": 256}
+        data = {"dataset": dataset, "packing": packing}
+        body = {"queue": api.queue, "train": {"steps": 1, "model": model, "data": data}}
+        return api.client.post("/v1/jobs", json=body, headers=api.headers())
+
+    ready(api, TEXT.encode(), name="plain")
+    resp = submit("plain", 32)
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"][0]
+    assert detail["loc"] == ["body", "train", "data", "packing"]
+    assert "plain is text data" in detail["msg"]
+    lines = [_chat("q" * (5 + i), "a") for i in range(6)]
+    found = ready(api, _body(lines), name="qs", format="chat")
+    longest = found["report"]["longest"]
+    resp = submit("qs", longest - 2)  # one token short: packing would drop the longest
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"][0]
+    assert detail["loc"] == ["body", "train", "model", "seq_len"]
+    assert f"longest example is {longest} tokens" in detail["msg"]
+    assert submit("qs", longest - 2, packing=False).status_code == 201  # windows: nothing lost
+    assert submit("qs", longest - 1).status_code == 201, "seq_len + 1 = longest fits"
+    cut = ready(api, _body(lines), name="cut", format="chat", overlong="truncate")
+    assert cut["report"]["longest"] == longest
+    assert submit("cut", longest - 2).status_code == 201  # the dataset says: cut it

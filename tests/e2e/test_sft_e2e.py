@@ -46,6 +46,8 @@ def test_a_chat_dataset_uploads_with_its_report_and_trains(
     assert up.returncode == 0, up.stderr
     assert "dataset chats ready" in up.stdout
     assert "80 examples" in up.stdout and "carry loss" in up.stdout and "dropped: none" in up.stdout
+    assert "\nlongest example " in up.stdout and "% of the rows are tokens" in up.stdout
+    assert "\\x0a" not in up.stdout  # each line printed as a line, not escaped
     bad = tmp_path / "bad.jsonl"
     bad.write_text(_chat("fine", "ok") + "\n" + json.dumps({"messages": [{"role": "x"}]}) + "\n")
     refused = trainq(env, "data", "upload", str(bad), "--name", "bad", "--format", "chat")

@@ -33,6 +33,12 @@ A: {{ m.content }}
 {% endfor %}
 {% if add_generation_prompt %}
 A:{% endif %}"""
+# Answers marked for training (transformers' {% generation %}): served, the tag is ignored.
+MARKED = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<a>{% generation %}{{ m.content }}"
+    "{{ eos_token }}{% endgeneration %}\n{% else %}<{{ m.role }}>{{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi ✓"},
@@ -56,7 +62,7 @@ def _hf_tokenizer(template: str) -> object:
     )
 
 
-@pytest.mark.parametrize("template", [LLAMA2, BLOCKY, DEFAULT_TEMPLATE])
+@pytest.mark.parametrize("template", [LLAMA2, BLOCKY, DEFAULT_TEMPLATE, MARKED])
 @pytest.mark.parametrize("generation", [True, False])
 def test_renders_as_transformers_apply_chat_template(template: str, generation: bool) -> None:
     tok = _hf_tokenizer(template)

@@ -156,6 +156,11 @@ def test_hf_export_carries_the_datasets_tokenizer(
     text.write_text("".join(lines * 20))
     root = tmp_path / "data"
     prepare([text], root / "words", tokenizer=original)
+    # A chat dataset keeps the upload's tokenizer_config.json: its chat template travels.
+    template = (
+        "{% for m in messages %}{{ m.content }} {% endfor %}{% generation %}{% endgeneration %}"
+    )
+    (root / "words" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     run_dir = tmp_path / "run"  # the DDP run's weights, as if trained on that dataset
     shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
     (run_dir / "config.json").write_text(json.dumps(runs.config(data={"path": "words"})))
@@ -173,6 +178,9 @@ def test_hf_export_carries_the_datasets_tokenizer(
     expected = Tokenizer.from_file(str(original)).encode(sample, add_special_tokens=False).ids
     assert loaded(sample, add_special_tokens=False)["input_ids"] == expected
     assert loaded.decode(expected[:3]) == "the lazy fox"
+    assert loaded.chat_template == template
+    chat = [{"role": "user", "content": "the lazy"}, {"role": "assistant", "content": "fox"}]
+    assert loaded.apply_chat_template(chat, tokenize=False) == "the lazy fox "
 
     # The same run on a byte-level dataset: an earlier export's tokenizer does not stay.
     (run_dir / "config.json").write_text(json.dumps(runs.config()))

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainer.chat import DEFAULT_TEMPLATE
+from trainer.chat import DEFAULT_TEMPLATE, render
 from trainer.data import IGNORE_INDEX, BatchSampler, DataError, TokenDataset, write_mask
 from trainer.prepare import prepare_sft
 from trainer.sft_lines import LineError, check_line
@@ -69,8 +69,6 @@ def test_assistant_turns_carry_loss_and_weight_zero_ones_do_not(tmp_path: Path) 
     assert report["loss_share"] == pytest.approx(mask.sum() / tokens.size, abs=1e-6)
     assert report["chat_template"] == "default"
     # The text is the chat endpoint's: trainer.chat.render with the same default template.
-    from trainer.chat import render
-
     first = render(DEFAULT_TEMPLATE, json.loads(lines[0])["messages"], False)
     assert bytes(tokens[: len(first.encode())].astype(np.uint8)).decode() == first
 
@@ -93,6 +91,26 @@ def test_overlong_examples_are_dropped_or_truncated_and_counted(tmp_path: Path) 
     assert not mask.any()  # the answer was past the cut
     with pytest.raises(DataError, match=r"produced no tokens .*1 too_long"):
         _prepared(tmp_path, [long], max_len=80)
+
+
+def test_the_report_has_the_longest_example_and_the_packing_a_job_would_get(
+    tmp_path: Path,
+) -> None:
+    lines = [_chat(_u("q" * (3 + 7 * (i % 9))), _a("a" * (1 + i % 5))) for i in range(40)]
+    summary, _, _ = _prepared(tmp_path, lines)
+    report = summary.sft
+    lengths = [len(render(DEFAULT_TEMPLATE, json.loads(line)["messages"], False).encode())
+               for line in lines]  # fmt: skip
+    assert report["longest"] == max(lengths) and report["packing_seq_len"] == max(lengths) - 1
+    packed = TokenDataset(tmp_path / "out", "train", report["packing_seq_len"], packing=True)
+    assert packed.examples == 40
+    assert report["packing_efficiency"] == pytest.approx(packed.efficiency, abs=1e-6)
+    assert 0.3 < report["packing_efficiency"] < 1.0
+    # With max_len, at max_len - 1: what a job of that seq_len packs.
+    summary, _, _ = _prepared(tmp_path, lines, max_len=400)
+    packed = TokenDataset(tmp_path / "out", "train", 399, packing=True)
+    assert summary.sft["packing_seq_len"] == 399
+    assert summary.sft["packing_efficiency"] == pytest.approx(packed.efficiency, abs=1e-6)
 
 
 def test_bad_lines_are_listed_with_their_numbers_and_reasons(tmp_path: Path) -> None:

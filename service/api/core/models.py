@@ -35,22 +35,28 @@ __all__ = [
     "DATASETS",
     "DATASET_OWNERS",
     "DATASET_STATUSES",
+    "EVENTS",
     "JOBS",
     "JOB_OWNERS",
     "LOGS",
     "METRICS",
     "OWNER_LIMITS",
     "TERMINAL",
+    "WEBHOOKS",
+    "WEBHOOK_DELIVERIES",
     "ApiToken",
     "Attempt",
     "Base",
     "Dataset",
     "DatasetOwner",
+    "EventRecord",
     "Job",
     "JobOwner",
     "LogChunk",
     "Metric",
     "OwnerLimit",
+    "Webhook",
+    "WebhookDelivery",
     "new_job_id",
     "utcnow",
 ]
@@ -288,6 +294,74 @@ class JobOwner(Base):
     locked_at: Mapped[datetime]
 
 
+class EventRecord(Base):
+    """The outbox (service.api.events): what happened to an owner's jobs, checkpoints and
+    sweeps, written in the transaction of the change itself. ``id`` is the feed's cursor and
+    the order webhooks deliver in; ids commit in order (service.api.events.record)."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    type: Mapped[str] = mapped_column(String(64))  # job.running, checkpoint.written, ...
+    job_id: Mapped[str | None] = mapped_column(String(32))  # no FK: it outlives the job
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_events_owner_id", "owner", "id"),)
+
+
+class Webhook(Base):
+    """An owner's webhook endpoint (service.api.webhooks); ``secret`` signs its deliveries
+    (Standard Webhooks), shown once at creation. ``after_event``: the last event fanned out
+    to it (it gets events from its creation on)."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    url: Mapped[str] = mapped_column(String(2048))
+    events: Mapped[list[str]] = mapped_column(JSON)  # patterns: job.*, checkpoint.written
+    description: Mapped[str | None] = mapped_column(String(500))
+    secret: Mapped[str] = mapped_column(String(128))
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    disabled_reason: Mapped[str | None] = mapped_column(Text)
+    after_event: Mapped[int] = mapped_column(BigInteger, default=0)
+    failing_since: Mapped[datetime | None]  # the first failure since the last success
+    failures: Mapped[int] = mapped_column(Integer, default=0)  # in a row
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_webhooks_owner_id", "owner", "id"),)
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint: pending until sent (retried with backoff until
+    ``give_up_at``), then delivered or failed; the endpoint's delivery log."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    event_id: Mapped[int] = mapped_column(ForeignKey("events.id", ondelete="CASCADE"))
+    job_id: Mapped[str | None] = mapped_column(String(32))  # the order key: in order per job
+    status: Mapped[str] = mapped_column(String(16))  # pending, sending, delivered, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime]  # pending: not before; sending: the claim's lease
+    give_up_at: Mapped[datetime]
+    last_status: Mapped[int | None] = mapped_column(Integer)  # the endpoint's HTTP status
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+    __table_args__ = (
+        UniqueConstraint("endpoint_id", "event_id"),
+        Index("ix_webhook_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_endpoint_id_job_id_event_id", "endpoint_id", "job_id",
+              "event_id"),
+    )  # fmt: skip
+
+
 # The tables, typed as such, for Core statements on the hot paths.
 JOBS = cast(Table, Job.__table__)
 ATTEMPTS = cast(Table, Attempt.__table__)
@@ -297,3 +371,6 @@ DATASETS = cast(Table, Dataset.__table__)
 DATASET_OWNERS = cast(Table, DatasetOwner.__table__)
 JOB_OWNERS = cast(Table, JobOwner.__table__)
 OWNER_LIMITS = cast(Table, OwnerLimit.__table__)
+EVENTS = cast(Table, EventRecord.__table__)
+WEBHOOKS = cast(Table, Webhook.__table__)
+WEBHOOK_DELIVERIES = cast(Table, WebhookDelivery.__table__)

@@ -156,6 +156,27 @@ class Settings(BaseSettings):
     retention_remove_runs: bool = False
     retention_interval_s: float = Field(3600.0, gt=0)
 
+    # Webhooks (service.api.webhooks). Deliveries run as a thread of the API process, or
+    # (webhook_deliver false on the API) as their own: python -m service.api.webhooks.delivery.
+    webhook_deliver: bool = True
+    # Loopback and private addresses as webhook targets (never link-local or metadata).
+    webhook_allow_loopback: bool = False
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60)  # connect, and each read or write
+    webhook_max_response_bytes: int = Field(64 * 1024, ge=0)  # read of an answer, at most
+    # Retries: base * 2^(n-1) s after the n-th failure (at most max_s, jittered down to
+    # half), until window_s after the event; then the delivery is failed.
+    webhook_retry_base_s: float = Field(5.0, gt=0)
+    webhook_retry_max_s: float = Field(3600.0, gt=0)
+    webhook_retry_window_s: float = Field(86400.0, gt=0)
+    # An endpoint failing this many deliveries in a row over at least this long is disabled.
+    webhook_disable_failures: int = Field(20, ge=1)
+    webhook_disable_after_s: float = Field(86400.0, ge=0)
+    # Sends in flight per endpoint (so one slow endpoint holds at most these), all endpoints.
+    webhook_per_endpoint: int = Field(4, ge=1, le=64)
+    webhook_in_flight: int = Field(256, ge=1)
+    webhook_poll_s: float = Field(0.5, gt=0)  # how often an idle deliverer looks for events
+    webhook_max_per_owner: int = Field(20, ge=1)
+
     @property
     def auth_enabled(self) -> bool:
         return self.auth.strip().lower() != "off"

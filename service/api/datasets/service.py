@@ -17,11 +17,14 @@ token shards by a child process (service.api.datasets.prepare, run by ``DatasetW
   and removes its work files (``reap_stale``).
 - **Jobs**: ``train.data.dataset: NAME`` is resolved at submit for the submitting owner
   (``resolve_dataset``): unknown, not ready, or a vocab larger than the model's is a 422
-  naming ``train.data.dataset``; else the frozen spec keeps the name and its ``data.path`` is
-  the dataset's folder. ``datasets/`` is never nameable by a path (``trainer.paths``): the
-  worker and the trainer accept that folder only as the frozen folder of ``data.dataset``
-  (the worker checks it is the job owner's), and a dataset's in-use check compares the
-  owner's jobs' ``data.dataset``, never a path's spelling.
+  naming ``train.data.dataset``. With ``train.data.packing``, a dataset that is not chat or
+  completion is a 422 naming ``train.data.packing``, and an example past ``seq_len + 1``
+  tokens that packing would drop (``overlong=drop``) one naming ``train.model.seq_len``.
+  Else the frozen spec keeps the name and its ``data.path`` is the dataset's folder.
+  ``datasets/`` is never nameable by a path (``trainer.paths``): the worker and the trainer
+  accept that folder only as the frozen folder of ``data.dataset`` (the worker checks it is
+  the job owner's), and a dataset's in-use check compares the owner's jobs'
+  ``data.dataset``, never a path's spelling.
 """
 
 from __future__ import annotations
@@ -358,5 +361,29 @@ def resolve_dataset(reader: Any, data_root: Path, principal: Principal, spec: Jo
             f"dataset {name} has vocab size {row['vocab_size']}, larger than the model's"
             f" {vocab} ({field}); its token ids would index past the embedding",
         )
+    if spec.train.data.packing:
+        _check_packing(row, spec)
     data = spec.train.data.model_copy(update={"path": row["path"]})
     return spec.model_copy(update={"train": spec.train.model_copy(update={"data": data})})
+
+
+def _check_packing(row: Any, spec: JobSpec) -> None:
+    """``train.data.packing`` needs a chat or completion dataset (the examples' boundaries);
+    with ``overlong: drop`` (the default), every example must fit ``seq_len + 1`` tokens, else
+    the run would leave examples out that the dataset kept: InvalidInput naming the field."""
+    name, report = row["name"], row["report"] if isinstance(row["report"], dict) else {}
+    if row["format"] not in ("chat", "completion"):
+        raise InvalidInput.at(
+            ["body", "train", "data", "packing"],
+            f"dataset {name} is {row['format']} data: packing needs a chat or completion"
+            " dataset, whose examples' boundaries it keeps",
+        )
+    longest, seq_len = report.get("longest"), spec.train.model.seq_len
+    if isinstance(longest, int) and report.get("overlong") == "drop" and longest > seq_len + 1:
+        raise InvalidInput.at(
+            ["body", "train", "model", "seq_len"],
+            f"dataset {name}'s longest example is {longest} tokens, more than seq_len + 1 ="
+            f" {seq_len + 1}: packed, it would be dropped (the dataset's overlong=drop); use"
+            f" seq_len >= {longest - 1}, or a dataset uploaded with max_len <= {seq_len + 1}"
+            " or overlong=truncate",
+        )

@@ -30,6 +30,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.api.core.models import ATTEMPTS, JOBS, utcnow
+from service.api.events.record import record_job_event
 
 __all__ = [
     "RETRYABLE",
@@ -65,6 +66,20 @@ class Outcome:
         self.changes.extend(other.changes)
         self.to_send.extend(other.to_send)
         self.to_stop.extend(other.to_stop)
+
+
+def _changed(session: Session, out: Outcome, change: StatusChange) -> None:
+    """A job's status changed: into the outcome (published after the commit) and into the
+    events outbox, in this transaction (``job.<status>``, for the feed and webhooks)."""
+    out.changes.append(change)
+    data = {
+        "job_id": change.job_id,
+        "attempt": change.attempt,
+        "status": change.status,
+        "reason": change.reason,
+        "message": change.message,
+    }
+    record_job_event(session, type=f"job.{change.status}", job_id=change.job_id, data=data)
 
 
 def _cas_job(
@@ -129,7 +144,7 @@ def attempt_running(
         message=None,
         started_at=func.coalesce(JOBS.c.started_at, at),
     ):
-        out.changes.append(StatusChange(job_id, number, "running"))
+        _changed(session, out, StatusChange(job_id, number, "running"))
     return out
 
 
@@ -284,7 +299,7 @@ def _settle(
         if _cas_job(
             session, job_id, number, live, status=status, reason=why, message=text, ended_at=at
         ):
-            out.changes.append(StatusChange(job_id, number, status, why, text))
+            _changed(session, out, StatusChange(job_id, number, status, why, text))
         return out
 
     if row.status == "cancelling" or reason == "cancelled":
@@ -331,7 +346,7 @@ def _settle(
             job_id=job_id, number=number + 1, status="dispatched", free=free, created_at=at
         )
     )
-    out.changes.append(StatusChange(job_id, number + 1, "queued", reason, text))
+    _changed(session, out, StatusChange(job_id, number + 1, "queued", reason, text))
     out.to_send.append((job_id, number + 1))
     return out
 
@@ -381,11 +396,11 @@ def cancel_job(session: Session, job_id: str, *, at: datetime | None = None) -> 
                     message=text,
                     ended_at=at,
                 )
-                out.changes.append(
-                    StatusChange(job_id, row.attempt, "cancelled", "cancelled", text)
+                _changed(
+                    session, out, StatusChange(job_id, row.attempt, "cancelled", "cancelled", text)
                 )
                 return out
         elif _cas_job(session, job_id, row.attempt, ("running",), status="cancelling"):
-            out.changes.append(StatusChange(job_id, row.attempt, "cancelling"))
+            _changed(session, out, StatusChange(job_id, row.attempt, "cancelling"))
             return out
     return out

@@ -1,0 +1,1 @@
+"""webhooks: owners' endpoints, and the delivery of their events, signed"""

@@ -1,0 +1,310 @@
+"""The deliveries' SQL: fan events out to endpoints, claim what is due, record outcomes.
+
+Every step is a short transaction of a few statements however many deliveries it handles
+(one INSERT of a tick's new deliveries, one claim, one UPDATE per outcome batch), so a
+deliverer costs the database little per delivery, and several deliverers (one per API
+replica, or processes of their own) share the work: claims skip rows another one holds
+(``FOR UPDATE SKIP LOCKED``), fan-out inserts are idempotent (``ON CONFLICT DO NOTHING`` on
+the endpoint and event).
+
+In order per job: a delivery is claimed only once no earlier delivery of the same job to
+the same endpoint is pending or being sent, so a job's events reach an endpoint in the order
+they happened even across retries; other jobs' events do not wait for it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import bindparam, func, literal, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.api.core.models import EVENTS, WEBHOOK_DELIVERIES, WEBHOOKS, utcnow
+from service.api.core.settings import Settings
+from service.api.webhooks.schemas import matches
+
+__all__ = [
+    "LIVE",
+    "Claimed",
+    "Endpoint",
+    "Outcome",
+    "claim",
+    "enabled_endpoints",
+    "fan_out",
+    "record_outcomes",
+    "retry_delay",
+]
+
+LIVE = ("pending", "sending")
+D = WEBHOOK_DELIVERIES
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    id: str
+    owner: str
+    url: str
+    secret: str
+    events: tuple[str, ...]
+    after_event: int
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: int
+    endpoint_id: str
+    event_id: int
+    job_id: str | None
+    attempts: int
+    give_up_at: datetime
+    type: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Outcome:
+    delivery: Claimed
+    ok: bool
+    status: int | None  # the endpoint's HTTP status, if it answered
+    error: str | None
+
+
+def _insert(session: Session) -> Any:
+    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
+
+
+def enabled_endpoints(session: Session) -> list[Endpoint]:
+    rows = session.execute(
+        select(
+            WEBHOOKS.c.id, WEBHOOKS.c.owner, WEBHOOKS.c.url, WEBHOOKS.c.secret,
+            WEBHOOKS.c.events, WEBHOOKS.c.after_event,
+        ).where(WEBHOOKS.c.enabled)
+    )  # fmt: skip
+    return [
+        Endpoint(r.id, r.owner, r.url, r.secret, tuple(r.events or ()), int(r.after_event))
+        for r in rows
+    ]
+
+
+def fan_out(session: Session, endpoints: list[Endpoint], settings: Settings, limit: int) -> int:
+    """Deliveries for the events after each endpoint's cursor (of its owner, of the types it
+    subscribed to), and the cursors moved past them; the number of events read."""
+    if not endpoints:
+        return 0
+    start = min(e.after_event for e in endpoints)
+    owners = sorted({e.owner for e in endpoints})
+    rows = session.execute(
+        select(EVENTS.c.id, EVENTS.c.owner, EVENTS.c.type, EVENTS.c.job_id, EVENTS.c.created_at)
+        .where(EVENTS.c.id > start, EVENTS.c.owner.in_(owners))
+        .order_by(EVENTS.c.id)
+        .limit(limit)
+    ).all()
+    if not rows:
+        return 0
+    now = utcnow()
+    window = timedelta(seconds=settings.webhook_retry_window_s)
+    new: list[dict[str, Any]] = []
+    for ep in endpoints:
+        for r in rows:
+            if r.id > ep.after_event and r.owner == ep.owner and matches(list(ep.events), r.type):
+                new.append(
+                    {
+                        "endpoint_id": ep.id, "event_id": r.id, "job_id": r.job_id,
+                        "status": "pending", "attempts": 0, "next_attempt_at": now,
+                        "give_up_at": now + window, "created_at": now, "updated_at": now,
+                    }
+                )  # fmt: skip
+    if new:
+        session.execute(
+            _insert(session)(D).on_conflict_do_nothing(index_elements=["endpoint_id", "event_id"]),
+            new,
+        )
+    # Every event of these owners up to the last one read was seen: each cursor moves there.
+    upto = rows[-1].id
+    session.execute(
+        update(WEBHOOKS)
+        .where(WEBHOOKS.c.id.in_([e.id for e in endpoints]), WEBHOOKS.c.after_event < upto)
+        .values(after_event=upto)
+    )
+    return len(rows)
+
+
+def claim(
+    session: Session,
+    *,
+    limit: int,
+    busy: set[str],
+    lease_s: float,
+    rooms: dict[str, int] | None = None,
+) -> list[Claimed]:
+    """Up to ``limit`` deliveries that are due, oldest event first, none of an endpoint in
+    ``busy``, at most ``rooms[endpoint]`` of one endpoint, none behind an earlier live
+    delivery of its job: held (``sending``) for ``lease_s`` (after that another deliverer
+    may take them: this one is taken to be dead)."""
+    now = utcnow()
+    earlier = D.alias("earlier")
+    behind = (
+        select(literal(1))
+        .where(
+            earlier.c.endpoint_id == D.c.endpoint_id,
+            earlier.c.job_id == D.c.job_id,
+            earlier.c.event_id < D.c.event_id,
+            earlier.c.status.in_(LIVE),
+        )
+        .exists()
+    )
+    query = (
+        select(
+            D.c.id,
+            D.c.endpoint_id,
+            D.c.event_id,
+            D.c.job_id,
+            D.c.attempts,
+            D.c.give_up_at,
+            EVENTS.c.type,
+            EVENTS.c.data,
+            EVENTS.c.created_at,
+        )
+        .join(WEBHOOKS, WEBHOOKS.c.id == D.c.endpoint_id)
+        .join(EVENTS, EVENTS.c.id == D.c.event_id)
+        .where(D.c.status.in_(LIVE), D.c.next_attempt_at <= now, WEBHOOKS.c.enabled, ~behind)
+        .order_by(D.c.event_id)
+        .limit(limit)
+        .with_for_update(of=D, skip_locked=True)
+    )
+    if busy:
+        query = query.where(D.c.endpoint_id.not_in(sorted(busy)))
+    rows = session.execute(query).all()
+    if rooms:
+        left = dict(rooms)
+        kept = []
+        for r in rows:
+            room = left.get(r.endpoint_id)
+            if room is None or room > 0:
+                kept.append(r)
+                if room is not None:
+                    left[r.endpoint_id] = room - 1
+        rows = kept  # the rest stay pending (their row locks end with this transaction)
+    if not rows:
+        return []
+    session.execute(
+        update(D)
+        .where(D.c.id.in_([r.id for r in rows]))
+        .values(status="sending", next_attempt_at=now + timedelta(seconds=lease_s), updated_at=now)
+    )
+    return [
+        Claimed(
+            r.id,
+            r.endpoint_id,
+            r.event_id,
+            r.job_id,
+            r.attempts,
+            r.give_up_at,
+            r.type,
+            r.data,
+            r.created_at,
+        )
+        for r in rows
+    ]
+
+
+def retry_delay(settings: Settings, failures: int) -> float:
+    """Seconds before the next try after the ``failures``-th failure in a row: exponential,
+    capped, with "equal jitter" (between half and all of it), so endpoints that failed
+    together are not all retried at the same instant."""
+    full = min(settings.webhook_retry_max_s, settings.webhook_retry_base_s * 2 ** (failures - 1))
+    return full / 2 + random.uniform(0, full / 2)
+
+
+_FINISH = (
+    update(D)
+    .where(D.c.id == bindparam("did"))
+    .values(
+        status=bindparam("status"),
+        attempts=bindparam("attempts"),
+        next_attempt_at=bindparam("next_at"),
+        last_status=bindparam("last_status"),
+        last_error=bindparam("last_error"),
+        updated_at=bindparam("now"),
+    )
+)
+
+
+def record_outcomes(session: Session, settings: Settings, outcomes: list[Outcome]) -> list[str]:
+    """Store each try's outcome: delivered, pending again after a backoff, or failed once
+    past its window; count failures per endpoint, and disable those past the limits. The
+    ids of the endpoints disabled."""
+    if not outcomes:
+        return []
+    now = utcnow()
+    params = []
+    ok: set[str] = set()
+    failed: dict[str, tuple[int, str]] = {}
+    for o in outcomes:
+        d = o.delivery
+        attempts = d.attempts + 1
+        if o.ok:
+            status, next_at = "delivered", now
+            ok.add(d.endpoint_id)
+            failed.pop(d.endpoint_id, None)
+        else:
+            next_at = now + timedelta(seconds=retry_delay(settings, attempts))
+            give_up = _aware(d.give_up_at)
+            status = "failed" if next_at > give_up else "pending"
+            count, _ = failed.get(d.endpoint_id, (0, ""))
+            failed[d.endpoint_id] = (count + 1, o.error or f"HTTP {o.status}")
+        params.append(
+            {
+                "did": d.id, "status": status, "attempts": attempts, "next_at": next_at,
+                "last_status": o.status, "last_error": None if o.ok else (o.error or "")[:1000],
+                "now": now,
+            }
+        )  # fmt: skip
+    session.execute(_FINISH, params)
+    if ok - set(failed):
+        session.execute(
+            update(WEBHOOKS)
+            .where(WEBHOOKS.c.id.in_(sorted(ok - set(failed))), WEBHOOKS.c.failures > 0)
+            .values(failures=0, failing_since=None)
+        )
+    disabled = []
+    for endpoint_id, (count, error) in failed.items():
+        session.execute(
+            update(WEBHOOKS)
+            .where(WEBHOOKS.c.id == endpoint_id)
+            .values(
+                failures=WEBHOOKS.c.failures + count,
+                failing_since=func.coalesce(WEBHOOKS.c.failing_since, now),
+            )
+        )
+        since = now - timedelta(seconds=settings.webhook_disable_after_s)
+        row = session.execute(
+            select(WEBHOOKS.c.failures, WEBHOOKS.c.failing_since).where(
+                WEBHOOKS.c.id == endpoint_id,
+                WEBHOOKS.c.enabled,
+                WEBHOOKS.c.failures >= settings.webhook_disable_failures,
+                WEBHOOKS.c.failing_since <= since,
+            )
+        ).first()
+        if row is None:
+            continue
+        reason = (
+            f"disabled after {row.failures} failed deliveries in a row since"
+            f" {_aware(row.failing_since).isoformat(timespec='seconds')}; last: {error[:300]}"
+        )
+        session.execute(
+            update(WEBHOOKS)
+            .where(WEBHOOKS.c.id == endpoint_id)
+            .values(enabled=False, disabled_reason=reason, updated_at=now)
+        )
+        disabled.append(endpoint_id)
+    return disabled
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

@@ -1,0 +1,379 @@
+"""Webhooks and the events feed, against a real receiving HTTP server on loopback that
+verifies every delivery with the ``standardwebhooks`` package.
+
+Jobs are driven through the real wire (``WorkerSim`` events, the ingestor, the state
+machine), and a real ``Deliverer`` sends. Retries use a short backoff here
+(``webhook_retry_base_s`` 0.1 s, at most 0.5 s) and the receiver is "down for a minute"
+for ``DOWN_S`` seconds: the same code path as a day's schedule, in test time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from standardwebhooks import Webhook, WebhookVerificationError
+
+from service.api.app import create_app
+from service.api.core.settings import Settings
+from service.api.webhooks.delivery import Deliverer
+from tests.api.support import Api, WorkerSim, forget_jobs_since, free_port, make_tokens
+from trainer.outbound import OutboundRefused, check_url, pinned_addresses
+
+DOWN_S = 3.0  # how long the receiver is away ("a minute", shortened)
+
+
+class Receiver:
+    """An HTTP endpoint on loopback: verifies each delivery's signature with the secret it is
+    given, answers ``answer`` (204 by default), and keeps what it received, in order."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.secret: str | None = None
+        self.answer = 204
+        self.received: list[dict[str, Any]] = []
+        self.bad: list[str] = []
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+        self.conns: list[socket.socket] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def start(self) -> None:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with receiver.lock:
+                    receiver.conns.append(self.connection)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                status = receiver.answer
+                try:
+                    assert receiver.secret is not None
+                    payload = Webhook(receiver.secret).verify(body, dict(self.headers))
+                    if status < 300:
+                        with receiver.lock:
+                            receiver.received.append({"id": self.headers["webhook-id"], **payload})
+                except WebhookVerificationError as exc:
+                    receiver.bad.append(str(exc))
+                    status = 400
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        with self.lock:  # the kept-alive connections too: down is down
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            self.conns.clear()
+
+    def unique(self) -> list[dict[str, Any]]:
+        """What arrived, the first copy of each webhook-id (delivery is at least once)."""
+        seen: set[str] = set()
+        out = []
+        with self.lock:
+            for item in self.received:
+                if item["id"] not in seen:
+                    seen.add(item["id"])
+                    out.append(item)
+        return out
+
+
+Hooks = Callable[..., tuple[Api, Deliverer]]
+
+
+@pytest.fixture()
+def hooks(make_settings: Callable[..., Settings]) -> Iterator[Hooks]:
+    """Builds an app whose admin allows loopback targets, with short retries, and a
+    deliverer running beside it (settings overridable)."""
+    started_ms = int(time.time() * 1000)
+    stack = contextlib.ExitStack()
+
+    def build(**overrides: Any) -> tuple[Api, Deliverer]:
+        settings = make_settings(
+            **{
+                "webhook_allow_loopback": True,
+                "webhook_retry_base_s": 0.1,
+                "webhook_retry_max_s": 0.5,
+                "webhook_poll_s": 0.05,
+                "webhook_timeout_s": 2.0,
+                **overrides,
+            }
+        )
+        app = create_app(settings)
+        services = app.state.services
+        user, token, other, admin = make_tokens(services)
+        deliverer = Deliverer(settings, services.sessions)
+        stop = threading.Event()
+        thread = threading.Thread(target=deliverer.run, args=(stop,), daemon=True)
+        client = stack.enter_context(TestClient(app))
+        thread.start()
+        stack.callback(thread.join, 10)
+        stack.callback(stop.set)
+        return Api(app, client, services, user, token, other, admin), deliverer
+
+    with stack:
+        yield build
+    forget_jobs_since(make_settings().database_url, started_ms)
+
+
+@pytest.fixture()
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    r.start()
+    yield r
+    r.stop()
+
+
+def _create(api: Api, url: str, events: list[str], token: str | None = None) -> dict[str, Any]:
+    resp = api.client.post(
+        "/v1/webhooks", json={"url": url, "events": events}, headers=api.headers(token)
+    )
+    assert resp.status_code == 201, resp.text
+    return dict(resp.json())
+
+
+def _feed(api: Api, token: str | None = None, page: int = 7) -> list[dict[str, Any]]:
+    """Every event of the token's owner, read page by page with the cursor."""
+    out: list[dict[str, Any]] = []
+    cursor = "0"
+    while True:
+        resp = api.client.get(
+            "/v1/events", params={"after": cursor, "limit": page}, headers=api.headers(token)
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        out.extend(body["items"])
+        if not body["items"]:
+            assert body["next_cursor"] == cursor
+            return out
+        cursor = body["next_cursor"]
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_fifty_jobs_every_status_change_in_order_through_an_outage(
+    hooks: Hooks, receiver: Receiver
+) -> None:
+    api, _ = hooks()
+    hook = _create(api, receiver.url, ["job.*"])
+    assert hook["secret"].startswith("whsec_") and hook["enabled"]
+    receiver.secret = hook["secret"]
+    listed = api.client.get("/v1/webhooks", headers=api.headers()).json()["items"]
+    assert [h["id"] for h in listed] == [hook["id"]] and "secret" not in listed[0]
+    # Another owner's job and endpoint: nothing of it may reach this receiver.
+    theirs = api.client.post(
+        "/v1/jobs",
+        json={"name": "t", "queue": api.queue, "train": {"steps": 5}},
+        headers=api.headers(api.other_token),
+    ).json()
+
+    jobs = [api.submit(retries=1 if i % 10 == 9 else 0)["id"] for i in range(50)]
+    sims = {j: WorkerSim(api.services.redis, api.keys, j) for j in jobs}
+    for sim in [*sims.values(), WorkerSim(api.services.redis, api.keys, theirs["id"])]:
+        sim.running()
+    api.drain()
+    _wait(lambda: len(receiver.unique()) >= 50, 20, "the running events")
+
+    receiver.stop()  # the endpoint goes away while the jobs end
+    for n, (job_id, sim) in enumerate(sims.items()):
+        if n % 10 == 9:  # failed once, retried: queued again, then runs and succeeds
+            sim.exited(1, None, "boom")
+        elif n % 10 == 8:
+            sim.exited(1, None, "boom")  # no retries left: failed
+        elif n % 10 == 7:
+            assert api.client.post(f"/v1/jobs/{job_id}/cancel", headers=api.headers()).status_code
+            sim.exited(None, "cancelled", "stopped")
+        else:
+            sim.exited(0)
+    api.drain()
+    for n, sim in enumerate(sims.values()):
+        if n % 10 == 9:
+            again = WorkerSim(api.services.redis, api.keys, sim.job_id, attempt=2)
+            again.running()
+            again.exited(0)
+    api.drain()
+    time.sleep(DOWN_S)
+    receiver.start()
+
+    feed = _feed(api)
+    expected = {j: [e["type"] for e in feed if e["data"]["job_id"] == j] for j in jobs}
+    assert expected[jobs[0]] == ["job.running", "job.succeeded"]
+    assert expected[jobs[7]] == ["job.running", "job.cancelling", "job.cancelled"]
+    assert expected[jobs[8]] == ["job.running", "job.failed"]
+    assert expected[jobs[9]] == ["job.running", "job.queued", "job.running", "job.succeeded"]
+    total = sum(len(v) for v in expected.values())
+    _wait(lambda: len(receiver.unique()) >= total, 30, "every event after the outage")
+
+    got = receiver.unique()
+    assert receiver.bad == []  # every delivery verified with standardwebhooks
+    assert len(got) == total and {g["id"] for g in got} == {f"msg_{e['id']}" for e in feed}
+    for job_id in jobs:  # exactly the feed's events of each job, in the feed's order
+        assert [g["type"] for g in got if g["data"]["job_id"] == job_id] == expected[job_id]
+    assert all(set(g) == {"id", "type", "timestamp", "data"} for g in got)
+    assert theirs["id"] not in {g["data"]["job_id"] for g in got}
+    assert theirs["id"] not in {e["data"]["job_id"] for e in feed}
+    assert {e["data"]["job_id"] for e in _feed(api, api.other_token)} == {theirs["id"]}
+
+    log = api.client.get(
+        f"/v1/webhooks/{hook['id']}/deliveries", params={"limit": 500}, headers=api.headers()
+    ).json()["items"]
+    assert len(log) == total and all(d["status"] == "delivered" for d in log)
+    assert max(d["attempts"] for d in log) > 1  # the outage was retried through
+    gone = api.client.get(f"/v1/webhooks/{hook['id']}", headers=api.headers(api.other_token))
+    assert gone.status_code == 404
+
+
+def test_failing_endpoint_is_disabled_then_reenabled_and_redelivered(
+    hooks: Hooks, receiver: Receiver
+) -> None:
+    api, _ = hooks(webhook_disable_failures=4, webhook_disable_after_s=0.5)
+    receiver.answer = 500
+    hook = _create(api, receiver.url, ["job.running"])
+    receiver.secret = hook["secret"]
+    job_id = api.submit()["id"]
+    WorkerSim(api.services.redis, api.keys, job_id).running()
+    api.drain()
+    url = f"/v1/webhooks/{hook['id']}"
+
+    def disabled() -> bool:
+        return not api.client.get(url, headers=api.headers()).json()["enabled"]
+
+    _wait(disabled, 20, "the endpoint to be disabled")
+    shown = api.client.get(url, headers=api.headers()).json()
+    assert "failed deliveries in a row" in shown["disabled_reason"]
+    assert "HTTP 500" in shown["disabled_reason"]
+    (pending,) = api.client.get(f"{url}/deliveries", headers=api.headers()).json()["items"]
+    assert pending["status"] == "pending" and pending["attempts"] >= 4
+    assert pending["last_status"] == 500 and pending["type"] == "job.running"
+    assert receiver.received == []
+
+    receiver.answer = 204
+    resp = api.client.patch(url, json={"enabled": True}, headers=api.headers())
+    assert resp.status_code == 200 and resp.json()["disabled_reason"] is None
+    _wait(lambda: len(receiver.received) == 1, 20, "the pending delivery after re-enabling")
+    assert receiver.received[0]["data"]["job_id"] == job_id
+
+    again = api.client.post(f"{url}/deliveries/{pending['id']}/redeliver", headers=api.headers())
+    assert again.status_code == 202 and again.json()["status"] == "pending"
+    _wait(lambda: len(receiver.received) == 2, 20, "the redelivery")
+    assert receiver.received[1]["id"] == receiver.received[0]["id"]  # the same webhook-id
+    missing = api.client.post(f"{url}/deliveries/999999999/redeliver", headers=api.headers())
+    assert missing.status_code == 404
+    assert api.client.delete(url, headers=api.headers()).status_code == 204
+    assert api.client.get(url, headers=api.headers()).status_code == 404
+
+
+REFUSED = [
+    "http://127.0.0.1:8080/hook",
+    "http://localhost/hook",
+    "http://10.1.2.3/hook",
+    "http://192.168.0.1/hook",
+    "http://169.254.169.254/latest/meta-data/",
+    "http://[fd00:ec2::254]/",
+    "http://[::1]/",
+    "http://[::ffff:127.0.0.1]/",
+    "http://[::ffff:169.254.169.254]/",
+    "http://2130706433/",  # 127.0.0.1 as one number
+    "http://0x7f.1/",
+    "http://[fe80::1%25eth0]/",
+    "http://224.0.0.1/",
+    "http://0.0.0.0/",
+    "ftp://example.com/hook",
+    "http:///nohost",
+    "http://user:pw@example.com/",
+]
+
+
+def test_private_loopback_and_metadata_targets_are_refused_naming_url(api: Api) -> None:
+    assert not api.settings.webhook_allow_loopback
+    for url in REFUSED:
+        resp = api.client.post(
+            "/v1/webhooks", json={"url": url, "events": ["job.*"]}, headers=api.headers()
+        )
+        assert resp.status_code == 422, (url, resp.text)
+        assert resp.json()["detail"][0]["loc"] == ["body", "url"], url
+    bad = api.client.post(
+        "/v1/webhooks",
+        json={"url": "https://example.com/h", "events": ["job.nope"]},
+        headers=api.headers(),
+    )
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == ["body", "events"]
+    ok = api.client.post(
+        "/v1/webhooks",
+        json={"url": "https://hooks.example.com/h", "events": ["job.*", "checkpoint.*"]},
+        headers=api.headers(),
+    )
+    assert ok.status_code == 201  # a name is checked where it is resolved, at delivery
+    assert api.client.get("/v1/events", params={"after": "x"}, headers=api.headers()).json()[
+        "detail"
+    ][0]["loc"] == ["query", "after"]
+
+
+def test_outbound_policy_even_when_private_targets_are_allowed() -> None:
+    for url in (
+        "http://169.254.169.254/",
+        "http://[fd00:ec2::254]/",
+        "http://[::ffff:a9fe:a9fe]/",
+        "http://[fe80::1]/",
+    ):
+        with pytest.raises(OutboundRefused):
+            check_url(url, allow_private=True)
+    assert check_url("http://127.0.0.1:9/x", allow_private=True).port == 9
+    with pytest.raises(OutboundRefused, match="loopback"):
+        pinned_addresses("localhost", 80)  # resolved: every address checked
+    assert "127.0.0.1" in pinned_addresses("localhost", 80, allow_private=True)
+    with pytest.raises(OutboundRefused, match="does not resolve"):
+        pinned_addresses(f"{uuid.uuid4().hex}.invalid", 80)
+
+
+def test_events_are_owned_and_paged(api: Api) -> None:
+    job = api.submit()
+    sim = WorkerSim(api.services.redis, api.keys, job["id"])
+    sim.running()
+    sim.exited(0)
+    api.drain()
+    feed = _feed(api, page=1)
+    assert [e["type"] for e in feed] == ["job.running", "job.succeeded"]
+    assert int(feed[0]["id"]) < int(feed[1]["id"])
+    assert feed[1]["data"] == {
+        "job_id": job["id"], "attempt": 1, "status": "succeeded", "reason": None,
+        "message": None,
+    }  # fmt: skip
+    assert _feed(api, api.other_token) == []
+    assert json.loads(json.dumps(feed)) == feed
