@@ -163,4 +163,10 @@ if __name__ == "__main__":
     # made: ~1 s per rank on a small CPU, after the run is done and before the launcher sees
     # it end. Frozen objects are skipped by it; finalizers and atexit handlers still run.
     gc.freeze()
+    from trainer.tracking import abandoned
+
+    if abandoned():  # a tracker's library would hold the exit (trainer.tracking): not so
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,10 +41,13 @@ __all__ = [
     "InitConfig",
     "LlamaConfig",
     "LoraConfig",
+    "MlflowConfig",
     "ModelConfig",
     "MoeConfig",
     "OptimConfig",
+    "TrackingConfig",
     "TrainConfig",
+    "WandbConfig",
     "frozen_data_path",
     "load_config",
     "lora_matches",
@@ -307,6 +312,88 @@ class CheckpointConfig(_Strict):
     hf: Literal["final", "every", "none"] = "final"
 
 
+# Experiment trackers (train.tracking; trainer.tracking sends, rank 0 only). ---------------
+
+# A key never travels in a spec: a field named like one, or a value shaped like a W&B key
+# (40 hex digits, or its newer prefixed forms), is refused with a message saying where it goes.
+_KEY_NAME = re.compile(r"(api_?key|key|token|secret|password|passwd|credential)", re.I)
+_KEY_VALUE = re.compile(r"(?:[0-9a-f]{40}|(?:local|wandb_v\d+)[-_][0-9A-Za-z_-]{20,})")
+_KEYS_GO = (
+    "keys never go in a spec: wandb online mode uses WANDB_API_KEY from the worker's"
+    " environment or the owner's secret that an admin sets; an MLflow server's credentials"
+    " are the worker's MLFLOW_TRACKING_* variables"
+)
+
+
+def _no_keys(value: Any) -> Any:
+    """A model_validator(mode="before"): refuse key-like field names and values."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if isinstance(name, str) and _KEY_NAME.search(name):
+                raise ValueError(f"field {name!r} is not allowed: {_KEYS_GO}")
+            for text in item if isinstance(item, list) else [item]:
+                if isinstance(text, str) and _KEY_VALUE.search(text):
+                    raise ValueError(
+                        f"{name} looks like an API key ({_KEYS_GO}; a git commit: its short form)"
+                    )
+    return value
+
+
+_TRACK_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class WandbConfig(_Strict):
+    """Weights & Biases: ``offline`` writes RUN_DIR/wandb/ for ``wandb sync``; ``online``
+    sends, with the key of the worker's environment (WANDB_API_KEY)."""
+
+    project: str = Field(min_length=1, max_length=128, pattern=_TRACK_NAME)
+    entity: str | None = Field(None, min_length=1, max_length=128, pattern=_TRACK_NAME)
+    name: str | None = Field(None, min_length=1, max_length=128)  # default: the job id
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=32
+    )
+    mode: Literal["offline", "online"] = "offline"
+
+    _no_nul = field_validator("name")(lambda v: v if v is None else reject_nul(v))
+    _keys = model_validator(mode="before")(_no_keys)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags_text(cls, v: list[str]) -> list[str]:
+        return [reject_nul(t) for t in v]
+
+
+class MlflowConfig(_Strict):
+    """MLflow: a tracking server's http(s) URI (an outbound URL, trainer.outbound) and the
+    experiment the run goes in (made when missing)."""
+
+    tracking_uri: str = Field(min_length=1, max_length=2048)
+    experiment: str = Field("trainq", min_length=1, max_length=256)
+    run_name: str | None = Field(None, min_length=1, max_length=256)  # default: job-attempt
+
+    _no_nul = field_validator("experiment", "run_name")(lambda v: v if v is None else reject_nul(v))
+    _keys = model_validator(mode="before")(_no_keys)
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _outbound(cls, v: str) -> str:
+        from trainer.outbound import check_url
+
+        # The form only (http(s), a host, no credentials); whether its address may be
+        # reached is the service's and the worker's setting, checked at submit and in the run.
+        parts = check_url(v, allow_private=True)
+        if any(_KEY_NAME.search(k) for k in urllib.parse.parse_qs(parts.query)):
+            raise ValueError(f"the URI's query carries a key: {_KEYS_GO}")
+        return v
+
+
+class TrackingConfig(_Strict):
+    wandb: WandbConfig | None = None
+    mlflow: MlflowConfig | None = None
+
+    _keys = model_validator(mode="before")(_no_keys)
+
+
 class TrainConfig(_Strict):
     strategy: Literal["ddp", "fsdp"] = "ddp"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -326,6 +413,7 @@ class TrainConfig(_Strict):
     fsdp: FSDPConfig = FSDPConfig()
     init: InitConfig | None = None
     lora: LoraConfig | None = None
+    tracking: TrackingConfig | None = None  # experiment trackers (trainer.tracking)
 
     @model_validator(mode="after")
     def _fp16_needs_ddp(self) -> TrainConfig:

@@ -1,4 +1,5 @@
-"""Per-step metrics from rank 0: metrics.jsonl always, Redis events and TensorBoard when available.
+"""Per-step metrics from rank 0: metrics.jsonl always, Redis events and TensorBoard when available,
+and the experiment trackers the spec names (trainer.tracking).
 
 A record is the "metric" event's data (see ``trainer.events``): step, steps, time, loss, lr,
 grad_norm, tokens_per_s, tokens_per_s_per_device, step_time_s, tflops, mfu, mem_peak_bytes,
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
+from trainer.config import TrackingConfig
 from trainer.env import TrainerEnv
 from trainer.events import Publisher, clean_number
 from trainer.files import make_dirs, set_mode
@@ -159,11 +161,20 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 class MetricsLogger:
     """Rank 0's sink for metric records; every other rank gets a logger that drops them."""
 
-    def __init__(self, run_dir: Path, env: TrainerEnv, *, enabled: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        env: TrainerEnv,
+        *,
+        enabled: bool,
+        tracking: TrackingConfig | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> None:
         self.enabled = enabled
         self._file: TextIO | None = None
         self._publisher: Publisher | None = None
         self._tb: Any = None
+        self._tracker: Any = None
         if not enabled:
             return
         self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
@@ -179,6 +190,17 @@ class MetricsLogger:
         # TensorBoard curves only where the package is installed: it is not a dependency.
         if importlib.util.find_spec("tensorboard") is not None:
             self._tb = TensorBoardCurves(run_dir / "tb")
+        if tracking is not None and (tracking.wandb or tracking.mlflow):
+            from trainer.tracking import Tracker, flatten
+
+            self._tracker = Tracker(
+                tracking,
+                flatten(params or {}),
+                run_dir,
+                job_id=env.job_id or run_dir.name,
+                attempt=env.attempt,
+                allow_private=env.tracking_allow_private,
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -191,6 +213,13 @@ class MetricsLogger:
             self._publisher.emit("metric", record)
         if self._tb is not None:
             self._tb.add(record)
+        if self._tracker is not None:
+            self._tracker.log(record)
+
+    def final_checkpoint(self, path: Path, step: int) -> None:
+        """Tell the trackers where the run's last checkpoint is (a tag of the run)."""
+        if self._tracker is not None:
+            self._tracker.tag({"trainq.checkpoint": str(path), "trainq.checkpoint_step": str(step)})
 
     def flush(self, timeout: float = 2.0) -> bool:
         """Put every record logged so far on the wire (bounded; at once while Redis is down).
@@ -205,9 +234,12 @@ class MetricsLogger:
         return self._publisher.flush(timeout)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Flush Redis within ``timeout`` (bounded: an unreachable Redis costs at most that)."""
+        """Flush Redis within ``timeout`` (bounded: an unreachable Redis costs at most that),
+        the trackers within their own bound (trainer.tracking)."""
         if self._publisher is not None:
             self._publisher.close(timeout)
+        if self._tracker is not None:
+            self._tracker.close()
         if self._tb is not None:
             self._tb.close()
         if self._file is not None:

@@ -9,7 +9,7 @@ second lookup cannot answer differently, as DNS rebinding would).
 
 Refused always: link-local (169.254.0.0/16, which holds the metadata service 169.254.169.254,
 and fe80::/10), the AWS IPv6 metadata address fd00:ec2::254, multicast, unspecified,
-reserved and broadcast addresses, and the IPv4-mapped/compatible/6to4/Teredo forms of any
+reserved and broadcast addresses, and the IPv4-mapped/compatible/6to4/Teredo/NAT64 forms of any
 refused IPv4 address. Refused unless ``allow_private`` (an admin's setting, e.g.
 ``TRAINQ_WEBHOOK_ALLOW_LOOPBACK=1``): loopback, private (RFC 1918, fc00::/7, 100.64.0.0/10).
 
@@ -32,6 +32,7 @@ _METADATA = frozenset(
     }
 )
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -51,6 +52,8 @@ def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     packed = ip.packed
     if packed[:12] == bytes(12) and packed[12:] != bytes(4) and int(ip) > 1:
         return ipaddress.IPv4Address(packed[12:])  # IPv4-compatible ::a.b.c.d
+    if ip in _NAT64:  # 64:ff9b::a.b.c.d: a NAT64 gateway forwards it to a.b.c.d
+        return ipaddress.IPv4Address(packed[12:])
     return None
 
 

@@ -212,7 +212,9 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
     device = init_distributed(env)
     stop = StopFlag()
     stop.install()
-    metrics = MetricsLogger(run_dir, env, enabled=env.is_main)
+    metrics = MetricsLogger(
+        run_dir, env, enabled=env.is_main, tracking=cfg.tracking, params=cfg.model_dump(mode="json")
+    )
     at = Position()
     try:
         return _run(cfg, run_dir, env, device, train_data, val_data, stop, metrics, at)
@@ -357,6 +359,8 @@ def _run(
             hf=cfg.checkpoint.hf == "every",
             fence=fence,
         )
+        if progress.step == cfg.steps:
+            metrics.final_checkpoint(path, progress.step)
         if env.is_main and cfg.checkpoint.hf == "every" and not stop.requested:
             from trainer.publish import publish  # step-N/hf/; the other ranks wait for it
 

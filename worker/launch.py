@@ -7,19 +7,24 @@ so broker URLs and other credentials of the worker never reach the ranks.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ENV_LIBRARY",
     "ENV_PASSTHROUGH",
+    "ENV_TRACKING",
     "LOG_LINE_PREFIX",
     "build_env",
     "build_guard_argv",
     "build_torchrun_argv",
     "omp_threads",
+    "owner_secrets",
     "safe_job_id",
+    "trackers_of",
 ]
 
 # Variables copied from the worker's own environment when set; everything else is dropped.
@@ -59,6 +64,13 @@ ENV_LIBRARY = (
     *("PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING"),
     *("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_CACHE_PATH"),
 )
+
+# The experiment trackers' credentials (trainer.tracking), copied only into the runs whose
+# spec names that tracker: a run that logs nowhere never sees a tracker's key.
+ENV_TRACKING: dict[str, tuple[str, ...]] = {
+    "wandb": ("WANDB_API_KEY", "WANDB_BASE_URL"),
+    "mlflow": ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
+}
 
 # torchrun prefixes every teed rank line with this (global rank), so the worker can tag lines;
 # torchrun's own lines carry no prefix.
@@ -150,6 +162,37 @@ def omp_threads(cpus: int, slots: int, procs_per_node: int) -> int:
     return max(1, cpus // max(1, slots) // max(1, procs_per_node))
 
 
+def trackers_of(train: Any) -> list[str]:
+    """The trackers a ``TrainConfig`` names (``train.tracking``), as ``ENV_TRACKING``'s keys."""
+    tracking = getattr(train, "tracking", None)
+    return [name for name in ENV_TRACKING if getattr(tracking, name, None) is not None]
+
+
+_OWNER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+MAX_SECRET_BYTES = 4096
+
+
+def owner_secrets(root: Path | None, owner: str | None, trackers: Sequence[str]) -> dict[str, str]:
+    """The owner's own tracker credentials, set by an admin as files on the worker host:
+    ``root/OWNER/WANDB_API_KEY`` and the other ``ENV_TRACKING`` names of ``trackers`` (one
+    value a file, no link followed). They win over the worker's environment for its runs.
+    An owner whose name is not a plain file name has none."""
+    if root is None or owner is None or not _OWNER.fullmatch(owner) or ".." in owner:
+        return {}
+    found: dict[str, str] = {}
+    for name in (n for t in trackers for n in ENV_TRACKING[t]):
+        try:
+            fd = os.open(root / owner / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # none set, or a link
+            continue
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_SECRET_BYTES + 1)
+        value = raw.decode("utf-8", "replace").strip()
+        if value and len(raw) <= MAX_SECRET_BYTES and not any(c in value for c in "\0\r\n"):
+            found[name] = value
+    return found
+
+
 def build_env(
     parent: Mapping[str, str],
     *,
@@ -160,6 +203,9 @@ def build_env(
     attempt: int,
     threads: int,
     ifname: str | None = None,
+    trackers: Sequence[str] = (),
+    tracking_allow_private: bool = False,
+    secrets: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The run's environment: allow-listed parent variables plus what the trainer needs.
 
@@ -167,6 +213,8 @@ def build_env(
     is OMP_NUM_THREADS (`omp_threads`) unless the worker's own environment sets it.
     ``ifname``: the interface of the address the worker advertises (worker.address), given
     to gloo and NCCL as their socket interface unless the worker's environment names one.
+    ``trackers``: the trackers the spec names (``ENV_TRACKING``'s keys), whose credentials
+    the run gets from the worker's environment, or from ``secrets`` (``owner_secrets``).
     """
     # torchrun's shared rendezvous TCPStore keeps the previous round's keys, so ranks
     # restarted by --max-restarts can read stale peer addresses and fail to connect
@@ -175,6 +223,11 @@ def build_env(
     if ifname:
         env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
     env.update({k: parent[k] for k in (*ENV_PASSTHROUGH, *ENV_LIBRARY) if k in parent})
+    for tracker in trackers:
+        env.update({k: parent[k] for k in ENV_TRACKING[tracker] if k in parent})
+    env.update(secrets or {})
+    if tracking_allow_private:
+        env["TRAINQ_TRACKING_ALLOW_PRIVATE"] = "1"
     env.update(
         {
             "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus or ()),

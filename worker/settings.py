@@ -48,6 +48,12 @@ class WorkerSettings(BaseSettings):
     log_keep_last: int = Field(2_000, ge=0)
     flush_timeout_s: float = Field(10.0, gt=0)  # how long the exit waits for Redis
     python: str | None = None  # interpreter for torchrun and the guard; default: ours
+    # Trackers at loopback/private addresses allowed for the runs (trainer.tracking checks it
+    # again before it connects; the service checks at submit with its own setting).
+    tracking_allow_private: bool = False
+    # Per-owner tracker credentials an admin sets on this host: TRACKING_SECRETS/OWNER/
+    # WANDB_API_KEY (and MLFLOW_TRACKING_TOKEN, ...), for that owner's runs only.
+    tracking_secrets: Path | None = None
     # Multi-node: how long a node waits for the rest of its gang before the attempt fails
     # (no_worker), and the address other hosts reach this one at (node 0 hosts the
     # rendezvous store); default: the address of the interface that reaches the broker

@@ -41,7 +41,9 @@ from worker.launch import (
     build_guard_argv,
     build_torchrun_argv,
     omp_threads,
+    owner_secrets,
     safe_job_id,
+    trackers_of,
 )
 from worker.logs import LogForwarder
 from worker.message import JobMessage
@@ -362,6 +364,9 @@ class _Attempt:
             attempt=msg.attempt,
             threads=omp_threads(len(os.sched_getaffinity(0)), ctx.slot_count, msg.procs_per_node),
             ifname=ctx.advertised.ifname if self.multi else None,
+            trackers=trackers_of(msg.train),
+            tracking_allow_private=s.tracking_allow_private,
+            secrets=owner_secrets(s.tracking_secrets, msg.owner, trackers_of(msg.train)),
         )
         # stdin is the guard's lifeline: only this process holds its write end.
         proc = subprocess.Popen(

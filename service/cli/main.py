@@ -192,6 +192,51 @@ def token_limits(
     typer.echo(f"{name}: " + " ".join(f"{f}={v}" for f, v in zip(values, shown, strict=True)))
 
 
+@token_app.command("tracking")
+@admin_errors
+def token_tracking(
+    name: Annotated[str, typer.Argument(help="the owner (a token's name)")],
+    spec: Annotated[
+        Path | None,
+        typer.Argument(help="a YAML/JSON file of train.tracking (wandb, mlflow)", dir_okay=False),
+    ] = None,
+    clear: Annotated[bool, typer.Option("--clear", help="remove the owner's default")] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Set the owner's default train.tracking, for its specs that name none, and print it;
+    with neither SPEC nor --clear, print it. Keys never go here: see README's trackers."""
+    import json
+
+    from pydantic import ValidationError
+
+    from service.api.scheduling.limits import set_tracking
+    from trainer.config import TrackingConfig
+    from trainer.yamlspec import SpecSyntaxError, load_yaml
+
+    if not (name := name.strip()) or len(name) > 128:
+        raise typer.BadParameter("a name of 1 to 128 characters", param_hint="NAME")
+    if spec is not None and clear:
+        raise typer.BadParameter("give SPEC or --clear, not both")
+    value: dict[str, Any] | None = None
+    if spec is not None:
+        try:
+            raw = load_yaml(spec.read_text(encoding="utf-8"))
+            value = TrackingConfig.model_validate(raw).model_dump(mode="json", exclude_none=True)
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {spec}: {exc.strerror}") from None
+        except (SpecSyntaxError, ValidationError, ValueError) as exc:
+            raise typer.BadParameter(f"{spec} is not a valid train.tracking: {exc}") from None
+    with instance(data_dir).session(write=True) as session:
+        if spec is None and not clear:
+            from service.api.core.models import OwnerLimit
+
+            row = session.get(OwnerLimit, name)
+            value = row.tracking if row is not None else None
+        else:
+            set_tracking(session, name, value)
+    typer.echo(f"{name}: tracking={json.dumps(value, sort_keys=True) if value else '-'}")
+
+
 @app.command("api")
 def api(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",

@@ -62,6 +62,7 @@ def test_data_dir_picks_the_instance_and_the_default_is_up_s(
         ("token", "list"),
         ("token", "revoke", "--name", "x"),
         ("token", "limits"),
+        ("token", "tracking", "x"),
         ("db", "current"),
         ("db", "downgrade", "base"),
     ],

@@ -31,7 +31,7 @@ def _argv(**kw: object) -> list[str]:
         log_dir=Path("/runs/j1/logs"),
     )
     args.update(kw)
-    return build_torchrun_argv("/py", **args)  # type: ignore[arg-type]
+    return build_torchrun_argv("/py", **args)
 
 
 def test_single_node_is_standalone_and_runs_the_trainer_module() -> None:
@@ -178,3 +178,32 @@ def test_the_advertised_interface_goes_to_gloo_and_nccl_unless_the_worker_names_
     named = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
     mine = build_env(named, ifname="eth1", **kw)
     assert (mine["GLOO_SOCKET_IFNAME"], mine["NCCL_SOCKET_IFNAME"]) == ("ib0", "ib0")
+
+
+def test_tracker_credentials_reach_only_runs_that_track_there(tmp_path: Path) -> None:
+    from trainer.config import load_config
+    from worker.launch import owner_secrets, trackers_of
+
+    parent = {"WANDB_API_KEY": "worker-key", "MLFLOW_TRACKING_TOKEN": "worker-token"}
+    base = {"gpus": None, "redis_url": "r", "redis_prefix": "p", "job_id": "j", "attempt": 1,
+            "threads": 1}  # fmt: skip
+    quiet = build_env(parent, **base, trackers=trackers_of(load_config({})))
+    assert "WANDB_API_KEY" not in quiet and "MLFLOW_TRACKING_TOKEN" not in quiet
+    assert "TRAINQ_TRACKING_ALLOW_PRIVATE" not in quiet
+    wandb = load_config({"tracking": {"wandb": {"project": "p"}}})
+    assert trackers_of(wandb) == ["wandb"]
+    env = build_env(parent, **base, trackers=["wandb"], tracking_allow_private=True)
+    assert env["WANDB_API_KEY"] == "worker-key" and "MLFLOW_TRACKING_TOKEN" not in env
+    assert env["TRAINQ_TRACKING_ALLOW_PRIVATE"] == "1"
+
+    # An owner's own key, set by an admin on the worker host, wins for that owner's runs.
+    (tmp_path / "alice").mkdir()
+    (tmp_path / "alice" / "WANDB_API_KEY").write_text("alice-key\n")
+    (tmp_path / "alice" / "MLFLOW_TRACKING_TOKEN").symlink_to(tmp_path / "alice" / "WANDB_API_KEY")
+    found = owner_secrets(tmp_path, "alice", ["wandb", "mlflow"])
+    assert found == {"WANDB_API_KEY": "alice-key"}  # the link is not followed
+    env = build_env(parent, **base, trackers=["wandb"], secrets=found)
+    assert env["WANDB_API_KEY"] == "alice-key"
+    assert owner_secrets(tmp_path, "bob", ["wandb"]) == {}
+    assert owner_secrets(tmp_path, "../alice", ["wandb"]) == {}
+    assert owner_secrets(None, "alice", ["wandb"]) == {}

@@ -241,6 +241,8 @@ class OwnerLimit(Base):
     max_running: Mapped[int | None] = mapped_column(Integer)  # slots (GPUs on GPU queues)
     max_queued: Mapped[int | None] = mapped_column(Integer)
     submits_per_minute: Mapped[int | None] = mapped_column(Integer)
+    # The owner's default train.tracking (a TrackingConfig), for specs that name none.
+    tracking: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     updated_at: Mapped[datetime]
 
 

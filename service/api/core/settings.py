@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     # YAML parses ~50x slower than JSON; a spec is a few KB, so this bounds a parse to ~0.1 s.
     max_yaml_bytes: int = Field(64 * 1024, ge=1024)
+    # train.tracking.mlflow.tracking_uri may name a loopback, private or link-local address
+    # (never a metadata one): off, such a URI is refused at submit (trainer.outbound).
+    tracking_allow_private: bool = False
     # Kept open: a connection past the pool size is opened and closed per request (a
     # PostgreSQL backend started each time), so the pool covers a busy worker's concurrency.
     db_pool_size: int = Field(20, ge=1)

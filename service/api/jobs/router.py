@@ -21,6 +21,7 @@ from service.api.jobs import crud, job_json
 from service.api.jobs.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary, PlanOut
 from service.api.jobs.state import cancel_job
 from service.api.jobs.submit import submit_one
+from service.api.jobs.tracking import check_tracking, needs_check, with_owner_default
 from service.api.scheduling.limits import (
     OwnerLimits,
     apply_runtime_rules,
@@ -257,6 +258,9 @@ async def submit_job(
         disk = check_run_disk(spec, services.settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
     own = await _owner_limits(services, principal)
     check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
+    spec = with_owner_default(spec, own.tracking)  # train.tracking, when the spec names none
+    if needs_check(spec):  # an outbound URL: resolved, so on a worker thread
+        await run_in_threadpool(check_tracking, spec, services.settings)
     if dry_run:
         return await run_in_threadpool(_plan_answer, services, spec)
     if services.limits is not None and (own.submits_per_minute or own.max_queued):

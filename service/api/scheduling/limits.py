@@ -14,6 +14,7 @@ that time, as a revoked token does. The admitter reads every owner's running cap
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ __all__ = [
     "mib",
     "running_caps",
     "set_limits",
+    "set_tracking",
 ]
 
 # Each limit and the setting that holds its default.
@@ -66,18 +68,23 @@ class OwnerLimits:
     max_queued: int
     submits_per_minute: int
     own: frozenset[str] = frozenset()
+    # The owner's default train.tracking as JSON text (``trainq token tracking``), or None.
+    tracking: str | None = None
 
     @classmethod
     def merged(cls, settings: Settings, row: Any | None = None) -> OwnerLimits:
         values = {f: getattr(settings, s) for f, s in LIMIT_FIELDS.items()}
         own = set()
+        tracking = None
         if row is not None:
             for f in LIMIT_FIELDS:
                 value = getattr(row, f)
                 if value is not None:
                     values[f] = int(value)
                     own.add(f)
-        return cls(**values, own=frozenset(own))
+            if getattr(row, "tracking", None) is not None:
+                tracking = json.dumps(row.tracking, sort_keys=True)
+        return cls(**values, own=frozenset(own), tracking=tracking)
 
     def source(self, field: str) -> str:
         """Where the limit ``field`` comes from, for a refusal's message."""
@@ -204,10 +211,10 @@ def set_limits(
     for field, value in given.items():
         if field != "max_priority" and value < 0:
             raise ValueError(f"{field} must be 0 (no limit) or more, not {value}")
-    if clear and not given:
+    row = session.get(OwnerLimit, owner)
+    if clear and not given and (row is None or row.tracking is None):
         clear_limits(session, owner)
         return None
-    row = session.get(OwnerLimit, owner)
     if clear and row is not None:
         for field in LIMIT_FIELDS:
             setattr(row, field, None)
@@ -217,6 +224,25 @@ def set_limits(
     for field, value in given.items():
         setattr(row, field, value)
     row.updated_at = utcnow()
+    return row
+
+
+def set_tracking(
+    session: Session, owner: str, tracking: dict[str, Any] | None
+) -> OwnerLimit | None:
+    """The owner's default ``train.tracking`` (a TrackingConfig's JSON, validated by the
+    caller), or None to remove it; its limits stay as they are. Returns the row, if any."""
+    row = session.get(OwnerLimit, owner)
+    if row is None and tracking is None:
+        return None
+    if row is None:
+        row = OwnerLimit(owner=owner, updated_at=utcnow())
+        session.add(row)
+    row.tracking = tracking
+    row.updated_at = utcnow()
+    if tracking is None and all(getattr(row, f) is None for f in LIMIT_FIELDS):
+        session.delete(row)
+        return None
     return row
 
 
