@@ -154,7 +154,8 @@ def main() -> None:
                       f" {got[1] * 1000:7.1f} ms CPU/step", flush=True)  # fmt: skip
         wall = statistics.median(t[0] for t in theirs) / statistics.median(o[0] for o in ours)
         cpu = statistics.median(t[1] for t in theirs) / statistics.median(o[1] for o in ours)
-        print(f"  tokens a step (all ranks, padding included): trainq {n * args.batch * args.seq_len},"
+        ours_tokens = n * args.batch * args.seq_len
+        print(f"  tokens a step (all ranks, padding included): trainq {ours_tokens},"
               f" TRL {tokens[f'trl {n}']}")  # fmt: skip
         print(f"{n} proc(s): TRL/trainq step time {wall:.2f}x wall, {cpu:.2f}x per CPU"
               f" (goal >= 1.0)", flush=True)  # fmt: skip

@@ -118,9 +118,23 @@ def test_a_chat_dataset_uploads_with_its_report_and_bad_lines_by_number(
     refused = trainq(sft.env, "data", "upload", str(bad), "--name", "bad", "--format", "chat")
     assert refused.returncode == 6, refused.stderr
     assert "line 2: messages[0] has role" in refused.stderr
+    # A line only the tokenizer's template refuses (found when preparing, on the server):
+    # the dataset failed, one line naming it by number, a nonzero exit, no traceback.
+    tok = f"chat-tok-strict-{uuid.uuid4().hex[:6]}"
+    strict = "{% if 'robot' in messages[0].content %}{{ raise_exception('no robots') }}{% endif %}"
+    _tokenizer(sft.data_root / tok, strict + TEMPLATE)
+    robots = tmp_path / "robots.jsonl"
+    robots.write_text(_chat("hi", "ok") + "\n" + _chat("a robot?", "no") + "\n")
+    failed = trainq(
+        sft.env, "data", "upload", str(robots), "--name", "robots", "--format", "chat",
+        "--tokenizer", tok, "--wait",
+    )  # fmt: skip
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    [line] = failed.stderr.splitlines()
+    assert "dataset robots failed" in line and "line 2:" in line and "no robots" in line
 
 
-def _tokenizer(folder: Path) -> int:
+def _tokenizer(folder: Path, template: str = TEMPLATE) -> int:
     """A byte-level BPE tokenizer trained here, shaped as Qwen2's (transformers loads a qwen2
     folder's tokenizer as its Qwen2Tokenizer: NFC, Qwen's split, byte-level), the template in
     its tokenizer_config.json; its size."""
@@ -141,7 +155,7 @@ def _tokenizer(folder: Path) -> int:
     tok.train_from_iterator([" ".join([*WORDS, "user", "bot", "?", "."])] * 20, trainer)
     folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
+    config = {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return int(tok.get_vocab_size())
 
