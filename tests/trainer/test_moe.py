@@ -87,7 +87,8 @@ def test_moe_trains_and_reports_its_router(moe_runs: dict[str, Path]) -> None:
         assert all(record[k] is not None for k in ROUTER_METRICS), record
         # top-2 of 4 experts: the busiest takes between a quarter and a half of the load
         assert 0.25 <= record["expert_load_max"] <= 0.5 and record["expert_load_cv"] >= 0
-        assert record["aux_loss"] >= 2 * (1 - 1e-6)  # top_k when balanced, above otherwise
+        # about top_k (2) when balanced, towards n_experts (4) as the router collapses
+        assert 1.9 <= record["aux_loss"] <= 4, record
 
 
 @pytest.mark.parametrize("other", ["ddp", "fsdp_ac"])
