@@ -186,6 +186,11 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add(record)
 
+    def checkpoint(self, step: int, name: str) -> None:
+        """A checkpoint was written (``name``: its folder in the run's checkpoints/)."""
+        if self._publisher is not None:
+            self._publisher.emit("checkpoint", {"step": step, "checkpoint": name})
+
     def flush(self, timeout: float = 2.0) -> bool:
         """Put every record logged so far on the wire (bounded; at once while Redis is down).
 

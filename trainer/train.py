@@ -326,6 +326,8 @@ def _run(
             lora=cfg.lora.model_dump() if cfg.lora is not None else None,
             hf=cfg.checkpoint.hf == "every",
         )
+        if env.is_main:
+            metrics.checkpoint(progress.step, path.name)  # checkpoint.written, for webhooks
         if env.is_main and cfg.checkpoint.hf == "every" and not stop.requested:
             from trainer.publish import publish  # step-N/hf/; the other ranks wait for it
 

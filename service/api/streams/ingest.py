@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.core.models import JOBS, LOGS, METRICS
 from service.api.core.settings import Settings
+from service.api.events.record import record_job_event
 from service.api.jobs.state import Outcome, attempt_exited, attempt_running
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
 from service.api.streams.notify import publish_status, signal_stop
@@ -259,6 +261,8 @@ class Ingestor:
                         }
                 elif ev.kind == "lifecycle":
                     outcome.extend(self._lifecycle(session, ev))
+                elif ev.kind == "checkpoint":
+                    _checkpoint_written(session, ev)
             insert = _insert(session)
             if metrics:
                 session.execute(
@@ -368,6 +372,24 @@ class Ingestor:
                 log.warning("ingest: %s; retrying in %.1fs", exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+
+_CHECKPOINT = re.compile(r"step-[0-9]{1,10}")
+
+
+def _checkpoint_written(session: Session, ev: Event) -> None:
+    """Rank 0 wrote a checkpoint: ``checkpoint.written`` in the outbox, once per attempt and
+    step however often the stream is replayed."""
+    step, name = ev.data.get("step"), ev.data.get("checkpoint")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
+        return
+    if not isinstance(name, str) or not _CHECKPOINT.fullmatch(name):
+        return
+    data = {"job_id": ev.job_id, "attempt": ev.attempt, "step": step, "checkpoint": name}
+    record_job_event(
+        session, type="checkpoint.written", job_id=ev.job_id, data=data,
+        key=f"checkpoint:{ev.job_id}:{ev.attempt}:{step}",
+    )  # fmt: skip
 
 
 def _short(value: Any) -> str | None:
