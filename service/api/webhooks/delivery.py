@@ -22,6 +22,7 @@ duplicate; delivery is at least once), ``webhook-timestamp`` (when sent),
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -289,6 +290,10 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     settings = Settings()
+    if settings.webhook_nice:
+        # Below the API's CPU priority: on a shared host the API's requests come first, and
+        # deliveries take what CPU is left (they are retried anyway; nothing is lost).
+        os.nice(settings.webhook_nice)
     engine = make_engine(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
