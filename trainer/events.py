@@ -63,9 +63,10 @@ def worker_source(node: int) -> str:
     return "worker" if node == 0 else f"worker:{node}"
 
 
-EventKind = Literal["lifecycle", "metric", "log", "status"]
+EventKind = Literal["lifecycle", "metric", "log", "status", "checkpoint"]
 """lifecycle: an attempt's phase (worker); metric: one step's numbers (trainer rank 0);
-log: a batch of rank output lines (worker); status: a job status change (service, for SSE)."""
+log: a batch of rank output lines (worker); status: a job status change (service, for SSE);
+checkpoint: a checkpoint was written (trainer rank 0)."""
 
 Reason = Literal[
     "spec_error",
@@ -183,7 +184,7 @@ class Event:
         f = {_text(k): _text(v) for k, v in fields.items()}
         try:
             kind = f["kind"]
-            if kind not in ("lifecycle", "metric", "log", "status"):
+            if kind not in ("lifecycle", "metric", "log", "status", "checkpoint"):
                 raise ValueError(f"unknown event kind {kind!r}")
             data = json.loads(f["data"])
             if not isinstance(data, dict):

@@ -221,6 +221,11 @@ class MetricsLogger:
         if self._tracker is not None:
             self._tracker.tag({"trainq.checkpoint": str(path), "trainq.checkpoint_step": str(step)})
 
+    def checkpoint(self, step: int, name: str) -> None:
+        """A checkpoint was written (``name``: its folder in the run's checkpoints/)."""
+        if self._publisher is not None:
+            self._publisher.emit("checkpoint", {"step": step, "checkpoint": name})
+
     def flush(self, timeout: float = 2.0) -> bool:
         """Put every record logged so far on the wire (bounded; at once while Redis is down).
 

@@ -361,6 +361,8 @@ def _run(
         )
         if progress.step == cfg.steps:
             metrics.final_checkpoint(path, progress.step)
+        if env.is_main:
+            metrics.checkpoint(progress.step, path.name)  # checkpoint.written, for webhooks
         if env.is_main and cfg.checkpoint.hf == "every" and not stop.requested:
             from trainer.publish import publish  # step-N/hf/; the other ranks wait for it
 

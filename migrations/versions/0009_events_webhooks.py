@@ -33,8 +33,10 @@ def upgrade() -> None:
         sa.Column("type", sa.String(length=64), nullable=False),
         sa.Column("job_id", sa.String(length=32), nullable=True),
         sa.Column("data", sa.JSON(), nullable=False),
+        sa.Column("dedupe_key", sa.String(length=200), nullable=True),
         sa.Column("created_at", When, nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_events")),
+        sa.UniqueConstraint("dedupe_key", name=op.f("uq_events_dedupe_key")),
     )
     op.create_index("ix_events_owner_id", "events", ["owner", "id"])
     op.create_table(
@@ -86,15 +88,18 @@ def upgrade() -> None:
             "endpoint_id", "event_id", name=op.f("uq_webhook_deliveries_endpoint_id_event_id")
         ),
     )
+    due = sa.text("status IN ('pending', 'sending')")
+    live = sa.text("status IN ('pending', 'sending', 'waiting')")
     op.create_index(
-        "ix_webhook_deliveries_status_next_attempt_at",
-        "webhook_deliveries",
-        ["status", "next_attempt_at"],
-    )
+        "ix_webhook_deliveries_due_event_id", "webhook_deliveries", ["event_id"],
+        postgresql_where=due, sqlite_where=due,
+    )  # fmt: skip
     op.create_index(
-        "ix_webhook_deliveries_endpoint_id_job_id_event_id",
-        "webhook_deliveries",
-        ["endpoint_id", "job_id", "event_id"],
+        "ix_webhook_deliveries_live_endpoint_job", "webhook_deliveries",
+        ["endpoint_id", "job_id", "event_id"], postgresql_where=live, sqlite_where=live,
+    )  # fmt: skip
+    op.create_index(
+        "ix_webhook_deliveries_endpoint_id_id", "webhook_deliveries", ["endpoint_id", "id"]
     )
 
 

@@ -382,3 +382,18 @@ def test_events_are_owned_and_paged(api: Api) -> None:
     }  # fmt: skip
     assert _feed(api, api.other_token) == []
     assert json.loads(json.dumps(feed)) == feed
+
+
+def test_checkpoint_written_once_however_often_replayed(api: Api) -> None:
+    job = api.submit()
+    sim = WorkerSim(api.services.redis, api.keys, job["id"])
+    sim.running()
+    written = sim.event("checkpoint", "trainer", {"step": 5, "checkpoint": "step-5"})
+    sim.send(written)  # the same event again, as a replayed stream delivers it
+    sim.event("checkpoint", "trainer", {"step": 6, "checkpoint": "../../etc"})  # ignored
+    api.drain()
+    feed = _feed(api)
+    assert [e["type"] for e in feed] == ["job.running", "checkpoint.written"]
+    assert feed[1]["data"] == {
+        "job_id": job["id"], "attempt": 1, "step": 5, "checkpoint": "step-5",
+    }  # fmt: skip

@@ -78,3 +78,24 @@ def test_tensorboard_curves_match_metrics_jsonl(single_run: Path) -> None:
     for step, loss in losses.items():
         assert curve[step] == pytest.approx(loss, rel=1e-6)
     assert set(_scalars(single_run / "tb", "tokens_per_s")) == set(losses)
+
+
+def test_a_written_checkpoint_goes_on_the_wire(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The event the service records as ``checkpoint.written`` (webhooks, the events feed)."""
+    keys = Keys("tq-metrics-ckpt")
+    env = TrainerEnv(redis_url=redis_url, redis_prefix=keys.prefix, job_id="job-c")
+    logger = MetricsLogger(tmp_path, env, enabled=True)
+    try:
+        logger.log(_record(1))
+        logger.checkpoint(1, "step-1")
+        assert logger.flush(timeout=5)
+        sent = [Event.from_fields(f) for _, f in redis_client.xrange(keys.events)]
+        assert [(e.kind, e.source) for e in sent] == [
+            ("metric", "trainer"),
+            ("checkpoint", "trainer"),
+        ]
+        assert sent[1].data == {"step": 1, "checkpoint": "step-1"}
+    finally:
+        logger.close()

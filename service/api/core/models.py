@@ -27,6 +27,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -317,6 +318,9 @@ class EventRecord(Base):
     type: Mapped[str] = mapped_column(String(64))  # job.running, checkpoint.written, ...
     job_id: Mapped[str | None] = mapped_column(String(32))  # no FK: it outlives the job
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # What makes a replayed source record nothing twice (e.g. a checkpoint's job, attempt
+    # and step); null: no such key (a state change is recorded once by its CAS anyway).
+    dedupe_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime]
 
     __table_args__ = (Index("ix_events_owner_id", "owner", "id"),)
@@ -346,6 +350,10 @@ class Webhook(Base):
     __table_args__ = (Index("ix_webhooks_owner_id", "owner", "id"),)
 
 
+DUE_DELIVERY = text("status IN ('pending', 'sending')")
+LIVE_DELIVERY = text("status IN ('pending', 'sending', 'waiting')")
+
+
 class WebhookDelivery(Base):
     """One event for one endpoint: pending until sent (retried with backoff until
     ``give_up_at``), then delivered or failed; the endpoint's delivery log."""
@@ -356,7 +364,9 @@ class WebhookDelivery(Base):
     endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
     event_id: Mapped[int] = mapped_column(ForeignKey("events.id", ondelete="CASCADE"))
     job_id: Mapped[str | None] = mapped_column(String(32))  # the order key: in order per job
-    status: Mapped[str] = mapped_column(String(16))  # pending, sending, delivered, failed
+    # waiting (behind an earlier live delivery of its job), pending, sending, delivered,
+    # failed (gave up)
+    status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime]  # pending: not before; sending: the claim's lease
     give_up_at: Mapped[datetime]
@@ -365,11 +375,16 @@ class WebhookDelivery(Base):
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
+    # Partial indexes: a claim walks the due ones (pending, sending: one per job and
+    # endpoint at most) in event order; a job's waiting ones are found by its key; neither
+    # ever reads the delivered rows that pile up.
     __table_args__ = (
         UniqueConstraint("endpoint_id", "event_id"),
-        Index("ix_webhook_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
-        Index("ix_webhook_deliveries_endpoint_id_job_id_event_id", "endpoint_id", "job_id",
-              "event_id"),
+        Index("ix_webhook_deliveries_due_event_id", "event_id",
+              postgresql_where=DUE_DELIVERY, sqlite_where=DUE_DELIVERY),
+        Index("ix_webhook_deliveries_live_endpoint_job", "endpoint_id", "job_id", "event_id",
+              postgresql_where=LIVE_DELIVERY, sqlite_where=LIVE_DELIVERY),
+        Index("ix_webhook_deliveries_endpoint_id_id", "endpoint_id", "id"),
     )  # fmt: skip
 
 

@@ -174,8 +174,12 @@ class Settings(BaseSettings):
     webhook_disable_after_s: float = Field(86400.0, ge=0)
     # Sends in flight per endpoint (so one slow endpoint holds at most these), all endpoints.
     webhook_per_endpoint: int = Field(4, ge=1, le=64)
-    webhook_in_flight: int = Field(256, ge=1)
+    webhook_in_flight: int = Field(512, ge=1)
     webhook_poll_s: float = Field(0.5, gt=0)  # how often an idle deliverer looks for events
+    # The deliverer's own process (python -m service.api.webhooks.delivery) runs this much
+    # nicer than the API (os.nice; 0: as the API), so a backlog of deliveries yields the CPU
+    # to requests, at the cost of delivering slower on a busy host.
+    webhook_nice: int = Field(0, ge=0, le=19)
     webhook_max_per_owner: int = Field(20, ge=1)
 
     @property

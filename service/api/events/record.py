@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import insert, literal, select, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.api.core.models import EVENTS, JOBS, utcnow
@@ -50,6 +51,13 @@ def _lock(session: Session) -> None:
     session.info[_LOCKED] = transaction
 
 
+def _insert(session: Session, key: str | None) -> Any:
+    if key is None:
+        return insert(EVENTS)
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    return dialect.insert(EVENTS).on_conflict_do_nothing(index_elements=["dedupe_key"])
+
+
 def record_event(
     session: Session,
     *,
@@ -57,25 +65,40 @@ def record_event(
     type: str,
     data: dict[str, Any],
     job_id: str | None = None,
+    key: str | None = None,
 ) -> None:
     """Record an event of ``owner`` in ``session``'s transaction (the caller commits it):
-    ``type`` such as ``sweep.finished``, ``data`` a JSON object (the delivery's ``data``)."""
+    ``type`` such as ``sweep.finished``, ``data`` a JSON object (the delivery's ``data``).
+    ``key``: an event with this key is recorded once (a replay records nothing)."""
     _lock(session)
     session.execute(
-        insert(EVENTS).values(owner=owner, type=type, job_id=job_id, data=data, created_at=utcnow())
+        _insert(session, key).values(
+            owner=owner,
+            type=type,
+            job_id=job_id,
+            data=data,
+            dedupe_key=key,
+            created_at=utcnow(),
+        )
     )
 
 
-def record_job_event(session: Session, *, type: str, job_id: str, data: dict[str, Any]) -> None:
-    """``record_event`` for the job's owner, read in the same statement."""
+def record_job_event(
+    session: Session, *, type: str, job_id: str, data: dict[str, Any], key: str | None = None
+) -> None:
+    """``record_event`` for the job's owner, read in the same statement (nothing if the job
+    is not in the store)."""
     _lock(session)
     row = select(
         JOBS.c.owner,
         literal(type),
         JOBS.c.id,
         literal(data, EVENTS.c.data.type),
+        literal(key, EVENTS.c.dedupe_key.type),
         literal(utcnow(), EVENTS.c.created_at.type),
     ).where(JOBS.c.id == job_id)
     session.execute(
-        insert(EVENTS).from_select(["owner", "type", "job_id", "data", "created_at"], row)
+        _insert(session, key).from_select(
+            ["owner", "type", "job_id", "data", "dedupe_key", "created_at"], row
+        )
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.core.models import ATTEMPTS, JOBS, LOGS, METRICS
 from service.api.core.settings import Settings
+from service.api.events.record import record_job_event
 from service.api.jobs.state import Outcome, attempt_exited, attempt_running
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
 from service.api.streams.notify import publish_status, signal_stop
@@ -267,6 +269,8 @@ class Ingestor:
                         }
                 elif ev.kind == "lifecycle":
                     outcome.extend(self._lifecycle(session, ev))
+                elif ev.kind == "checkpoint":
+                    _checkpoint_written(session, ev)
             insert = _insert(session)
             if metrics:
                 session.execute(
@@ -391,6 +395,24 @@ def _lost_since(session: Session, job_ids: set[str]) -> dict[tuple[str, int], fl
             at = r.ended_at if r.ended_at.tzinfo else r.ended_at.replace(tzinfo=UTC)
             out[(r.job_id, r.number)] = at.timestamp()
     return out
+
+
+_CHECKPOINT = re.compile(r"step-[0-9]{1,10}")
+
+
+def _checkpoint_written(session: Session, ev: Event) -> None:
+    """Rank 0 wrote a checkpoint: ``checkpoint.written`` in the outbox, once per attempt and
+    step however often the stream is replayed."""
+    step, name = ev.data.get("step"), ev.data.get("checkpoint")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
+        return
+    if not isinstance(name, str) or not _CHECKPOINT.fullmatch(name):
+        return
+    data = {"job_id": ev.job_id, "attempt": ev.attempt, "step": step, "checkpoint": name}
+    record_job_event(
+        session, type="checkpoint.written", job_id=ev.job_id, data=data,
+        key=f"checkpoint:{ev.job_id}:{ev.attempt}:{step}",
+    )  # fmt: skip
 
 
 def _short(value: Any) -> str | None:

@@ -22,6 +22,7 @@ duplicate; delivery is at least once), ``webhook-timestamp`` (when sent),
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -52,8 +53,13 @@ __all__ = ["Deliverer", "Lane", "main", "signed_request"]
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 600.0  # a claimed delivery not finished by then is taken to be orphaned
+# A claimed delivery not finished by then is taken to be orphaned (its deliverer died); a
+# lane of LANE_DEPTH sends per thread, each up to ~3 timeouts, ends well inside it.
+LEASE_S = 1800.0
 LANE_IDLE_S = 60.0
+# Deliveries an endpoint's lane holds per sender thread: enough that a claim is worth its
+# query, few enough that a lane of timeouts ends well inside the lease.
+LANE_DEPTH = 64
 FAN_OUT_BATCH = 2000
 
 
@@ -81,7 +87,7 @@ class Lane:
         self.signer = Webhook(endpoint.secret)
         self.settings = settings
         self.done = done  # called with each Outcome
-        self.capacity = settings.webhook_per_endpoint * 8
+        self.capacity = settings.webhook_per_endpoint * LANE_DEPTH
         self.held = 0  # queued or being sent; changed under the lock
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
@@ -195,8 +201,12 @@ class Deliverer:
             batch.append(self.outcomes.popleft())
         if not batch:
             return 0
-        with self.sessions() as session, session.begin():
-            disabled = record_outcomes(session, self.settings, batch)
+        try:
+            with self.sessions() as session, session.begin():
+                disabled = record_outcomes(session, self.settings, batch)
+        except Exception:
+            self.outcomes.extendleft(reversed(batch))  # stored on the next pass instead
+            raise
         for endpoint_id in disabled:
             log.warning("webhook endpoint %s disabled after failing deliveries", endpoint_id)
         self.sent += sum(1 for o in batch if o.ok)
@@ -216,10 +226,12 @@ class Deliverer:
         free = self.settings.webhook_in_flight - self.held()
         if free <= 0:
             return stored
-        rooms = {eid: lane.room() for eid, lane in self.lanes.items()}
-        busy = {eid for eid, room in rooms.items() if room <= 0}
+        enabled = {e.id for e in endpoints}
+        rooms = {eid: lane.room() for eid, lane in self.lanes.items() if eid in enabled}
+        if not any(room > 0 for room in rooms.values()):
+            return stored
         with self.sessions() as session, session.begin():
-            claimed = claim(session, limit=free, busy=busy, lease_s=LEASE_S, rooms=rooms)
+            claimed = claim(session, limit=free, rooms=rooms, lease_s=LEASE_S)
         for delivery in claimed:
             self.lanes[delivery.endpoint_id].put(delivery)
         return stored + len(claimed)
@@ -278,6 +290,10 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     settings = Settings()
+    if settings.webhook_nice:
+        # Below the API's CPU priority: on a shared host the API's requests come first, and
+        # deliveries take what CPU is left (they are retried anyway; nothing is lost).
+        os.nice(settings.webhook_nice)
     engine = make_engine(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -26,7 +26,7 @@ from service.api.webhooks.schemas import (
     WebhookOut,
     WebhookPatch,
 )
-from service.api.webhooks.store import LIVE
+from service.api.webhooks.store import UNFINISHED
 from trainer.outbound import OutboundRefused, check_url
 
 __all__ = ["router"]
@@ -179,7 +179,9 @@ def list_deliveries(
     services: ServicesDep,
     principal: PrincipalDep,
     webhook_id: WebhookId,
-    status: Annotated[str | None, Query(pattern="^(pending|sending|delivered|failed)$")] = None,
+    status: Annotated[
+        str | None, Query(pattern="^(waiting|pending|sending|delivered|failed)$")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,18}$")] = None,
 ) -> Response:
@@ -228,7 +230,7 @@ def redeliver(
             .where(
                 d.c.id == int(delivery_id),
                 d.c.endpoint_id == webhook_id,
-                d.c.status.not_in(LIVE),
+                d.c.status.not_in(UNFINISHED),
             )
             .values(
                 status="pending",

@@ -86,7 +86,10 @@ class DeliveryOut(BaseModel):
     event_id: str
     type: str
     job_id: str | None
-    status: str = Field(description="pending, sending, delivered or failed (gave up)")
+    status: str = Field(
+        description="waiting (behind an earlier one of its job), pending, sending, delivered"
+        " or failed (gave up)"
+    )
     attempts: int
     next_attempt_at: UTCDatetime | None = Field(description="pending: the next try")
     last_status: int | None = Field(description="the endpoint's last HTTP status")

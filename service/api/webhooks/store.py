@@ -7,9 +7,13 @@ replica, or processes of their own) share the work: claims skip rows another one
 (``FOR UPDATE SKIP LOCKED``), fan-out inserts are idempotent (``ON CONFLICT DO NOTHING`` on
 the endpoint and event).
 
-In order per job: a delivery is claimed only once no earlier delivery of the same job to
-the same endpoint is pending or being sent, so a job's events reach an endpoint in the order
-they happened even across retries; other jobs' events do not wait for it.
+In order per job: of one job's deliveries to one endpoint only the earliest unfinished one
+is ``pending`` (or ``sending``); the later ones are made ``waiting``, and each is made
+pending when the one before it ends (delivered, or failed for good). So a job's events reach
+an endpoint in the order they happened, across retries, while other jobs' events do not wait
+for it; and a claim is a plain walk of the due rows in event order (a partial index), with
+no per-row check of what came before. Fan-out and that hand-over take one advisory lock
+(PostgreSQL), so a fan-out never makes a delivery wait behind one that ended meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, literal, select, update
+from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -29,6 +33,7 @@ from service.api.webhooks.schemas import matches
 
 __all__ = [
     "LIVE",
+    "UNFINISHED",
     "Claimed",
     "Endpoint",
     "Outcome",
@@ -40,7 +45,14 @@ __all__ = [
 ]
 
 LIVE = ("pending", "sending")
+UNFINISHED = ("waiting", "pending", "sending")
 D = WEBHOOK_DELIVERIES
+_LOCK_KEY = 0x7472_6171_7768  # "traqwh": fan-out and hand-over, one at a time
+
+
+def _lock(session: Session) -> None:
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,18 @@ def fan_out(session: Session, endpoints: list[Endpoint], settings: Settings, lim
                     }
                 )  # fmt: skip
     if new:
+        _lock(session)
+        # A job's first new delivery waits if the job has an unfinished one already; the
+        # rest of its new ones wait behind that first.
+        pairs = {(n["endpoint_id"], n["job_id"]) for n in new if n["job_id"] is not None}
+        busy = _unfinished(session, pairs)
+        for n in new:
+            key = (n["endpoint_id"], n["job_id"])
+            if n["job_id"] is None:
+                continue
+            if key in busy:
+                n["status"] = "waiting"
+            busy.add(key)
         session.execute(
             _insert(session)(D).on_conflict_do_nothing(index_elements=["endpoint_id", "event_id"]),
             new,
@@ -134,30 +158,34 @@ def fan_out(session: Session, endpoints: list[Endpoint], settings: Settings, lim
     return len(rows)
 
 
-def claim(
-    session: Session,
-    *,
-    limit: int,
-    busy: set[str],
-    lease_s: float,
-    rooms: dict[str, int] | None = None,
-) -> list[Claimed]:
-    """Up to ``limit`` deliveries that are due, oldest event first, none of an endpoint in
-    ``busy``, at most ``rooms[endpoint]`` of one endpoint, none behind an earlier live
-    delivery of its job: held (``sending``) for ``lease_s`` (after that another deliverer
-    may take them: this one is taken to be dead)."""
-    now = utcnow()
-    earlier = D.alias("earlier")
-    behind = (
-        select(literal(1))
-        .where(
-            earlier.c.endpoint_id == D.c.endpoint_id,
-            earlier.c.job_id == D.c.job_id,
-            earlier.c.event_id < D.c.event_id,
-            earlier.c.status.in_(LIVE),
+def _unfinished(session: Session, pairs: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Of these (endpoint, job) pairs, those with an unfinished delivery."""
+    found: set[tuple[str, str]] = set()
+    ordered = sorted(pairs)
+    for i in range(0, len(ordered), 500):
+        chunk = ordered[i : i + 500]
+        rows = session.execute(
+            select(D.c.endpoint_id, D.c.job_id)
+            .where(
+                D.c.status.in_(UNFINISHED),
+                D.c.endpoint_id.in_({e for e, _ in chunk}),
+                D.c.job_id.in_({j for _, j in chunk}),
+            )
+            .distinct()
         )
-        .exists()
-    )
+        found.update((r.endpoint_id, r.job_id) for r in rows if (r.endpoint_id, r.job_id) in pairs)
+    return found
+
+
+def claim(session: Session, *, limit: int, rooms: dict[str, int], lease_s: float) -> list[Claimed]:
+    """Up to ``limit`` deliveries that are due, oldest event first, at most
+    ``rooms[endpoint]`` of each endpoint named there (the enabled ones with room), none
+    behind an earlier live delivery of its job: held (``sending``) for ``lease_s`` (after
+    that another deliverer may take them: this one is taken to be dead)."""
+    wanted = sorted(e for e, room in rooms.items() if room > 0)
+    if not wanted or limit <= 0:
+        return []
+    now = utcnow()
     query = (
         select(
             D.c.id,
@@ -170,26 +198,23 @@ def claim(
             EVENTS.c.data,
             EVENTS.c.created_at,
         )
-        .join(WEBHOOKS, WEBHOOKS.c.id == D.c.endpoint_id)
         .join(EVENTS, EVENTS.c.id == D.c.event_id)
-        .where(D.c.status.in_(LIVE), D.c.next_attempt_at <= now, WEBHOOKS.c.enabled, ~behind)
+        .where(
+            D.c.status.in_(LIVE),
+            D.c.next_attempt_at <= now,
+            D.c.endpoint_id.in_(wanted),
+        )
         .order_by(D.c.event_id)
         .limit(limit)
         .with_for_update(of=D, skip_locked=True)
     )
-    if busy:
-        query = query.where(D.c.endpoint_id.not_in(sorted(busy)))
-    rows = session.execute(query).all()
-    if rooms:
-        left = dict(rooms)
-        kept = []
-        for r in rows:
-            room = left.get(r.endpoint_id)
-            if room is None or room > 0:
-                kept.append(r)
-                if room is not None:
-                    left[r.endpoint_id] = room - 1
-        rows = kept  # the rest stay pending (their row locks end with this transaction)
+    left = dict(rooms)
+    kept = []
+    for r in session.execute(query):
+        if left[r.endpoint_id] > 0:
+            kept.append(r)
+            left[r.endpoint_id] -= 1
+    rows = kept  # the rest stay pending (their row locks end with this transaction)
     if not rows:
         return []
     session.execute(
@@ -235,6 +260,49 @@ _FINISH = (
 )
 
 
+_WAITING = D.alias("waiting")
+# The job's next waiting delivery to the endpoint becomes pending (the one before it ended).
+_NEXT = (
+    update(D)
+    .where(
+        D.c.id
+        == select(_WAITING.c.id)
+        .where(
+            _WAITING.c.endpoint_id == bindparam("e"),
+            _WAITING.c.job_id == bindparam("j"),
+            # literal, as the partial index's predicate (an IN list cannot go to executemany)
+            text("waiting.status IN ('pending', 'sending', 'waiting')"),
+        )
+        .order_by(_WAITING.c.event_id)
+        .limit(1)
+        .scalar_subquery(),
+        D.c.status == "waiting",
+    )
+    .values(status="pending", next_attempt_at=bindparam("now"), updated_at=bindparam("now"))
+)
+
+
+_FINISH_PG = text(
+    "UPDATE webhook_deliveries AS d SET status = v.status, attempts = v.attempts,"
+    " next_attempt_at = v.next_at, last_status = v.last_status, last_error = v.last_error,"
+    " updated_at = :now"
+    " FROM unnest(CAST(:ids AS bigint[]), CAST(:statuses AS varchar[]),"
+    " CAST(:attempts AS integer[]), CAST(:next_ats AS timestamptz[]),"
+    " CAST(:last_statuses AS integer[]), CAST(:last_errors AS text[]))"
+    " AS v(id, status, attempts, next_at, last_status, last_error)"
+    " WHERE d.id = v.id"
+)
+_NEXT_PG = text(
+    "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = :now, updated_at = :now"
+    " WHERE status = 'waiting' AND id IN ("
+    " SELECT DISTINCT ON (w.endpoint_id, w.job_id) w.id FROM webhook_deliveries AS w"
+    " JOIN unnest(CAST(:es AS varchar[]), CAST(:js AS varchar[])) AS p(e, j)"
+    " ON w.endpoint_id = p.e AND w.job_id = p.j"
+    " WHERE w.status IN ('pending', 'sending', 'waiting')"
+    " ORDER BY w.endpoint_id, w.job_id, w.event_id)"
+)
+
+
 def record_outcomes(session: Session, settings: Settings, outcomes: list[Outcome]) -> list[str]:
     """Store each try's outcome: delivered, pending again after a backoff, or failed once
     past its window; count failures per endpoint, and disable those past the limits. The
@@ -262,10 +330,41 @@ def record_outcomes(session: Session, settings: Settings, outcomes: list[Outcome
             {
                 "did": d.id, "status": status, "attempts": attempts, "next_at": next_at,
                 "last_status": o.status, "last_error": None if o.ok else (o.error or "")[:1000],
-                "now": now,
+                "now": now, "endpoint": d.endpoint_id, "job": d.job_id,
             }
         )  # fmt: skip
-    session.execute(_FINISH, params)
+    postgres = session.get_bind().dialect.name == "postgresql"
+    if postgres:  # one statement for the batch, not one per row
+        session.execute(
+            _FINISH_PG,
+            {
+                "ids": [p["did"] for p in params],
+                "statuses": [p["status"] for p in params],
+                "attempts": [p["attempts"] for p in params],
+                "next_ats": [p["next_at"] for p in params],
+                "last_statuses": [p["last_status"] for p in params],
+                "last_errors": [p["last_error"] for p in params],
+                "now": now,
+            },
+        )
+    else:
+        session.execute(_FINISH, params)
+    ended = sorted(
+        {
+            (p["endpoint"], p["job"])
+            for p in params
+            if p["status"] in ("delivered", "failed") and p["job"] is not None
+        }
+    )
+    if ended:
+        _lock(session)
+        if postgres:
+            session.execute(
+                _NEXT_PG,
+                {"es": [e for e, _ in ended], "js": [j for _, j in ended], "now": now},
+            )
+        else:
+            session.execute(_NEXT, [{"e": e, "j": j, "now": now} for e, j in ended])
     if ok - set(failed):
         session.execute(
             update(WEBHOOKS)

@@ -1,0 +1,273 @@
+"""Webhook deliveries per second to a local receiver, and what delivering costs GET /v1/jobs/{id}.
+
+    .venv/bin/python bench/webhooks.py [--events 10000] [--mode thread|process|both]
+                                       [--rounds 1] [--quiet-s 6] [--api-env TRAINQ_X=V]
+
+One run stands up the service (fresh PostgreSQL, claimed Redis numbers, uvicorn with one
+worker), a receiver in a process of its own (``http.server``, HTTP/1.1 keep-alive, counting;
+the first 50 deliveries verified with ``standardwebhooks``), one endpoint of the bench's
+owner, and a running job to read. Then, alternated:
+
+- quiet: GET /v1/jobs/{id} one request after another for ``--quiet-s`` with nothing to
+  deliver (the deliverer idle, polling);
+- busy: ``--events`` events are committed at once (as 1,000 jobs' status changes, 10 each),
+  and the same GET loop runs while the deliverer fans them out and sends them; deliveries/s
+  is events / (commit -> the receiver has every one).
+
+``--mode thread``: the deliverer is the API's own thread (``TRAINQ_WEBHOOK_DELIVER=true``);
+``process``: ``python -m service.api.webhooks.delivery`` beside an API with it off. Both print
+side by side; the GET ratio is busy/quiet p50 and mean, and the CPU each process used.
+
+Goals (issue 27): >= 500 deliveries/s; busy/quiet GET latency <= 1.10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx
+import sqlalchemy as sa
+from _util import SHARED_CORES_NOTE, Server, Stack, cpu_seconds, free_port, median, stack
+from _util import percentiles as pct
+from _util import verdict as said
+
+RECEIVER = r"""
+import sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from standardwebhooks import Webhook
+secret = sys.argv[2]
+count = 0
+bad = 0
+lock = threading.Lock()
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        global count, bad
+        body = self.rfile.read(int(self.headers["content-length"]))
+        with lock:
+            count += 1
+            n = count
+        if n <= 50:
+            try:
+                Webhook(secret).verify(body, dict(self.headers))
+            except Exception:
+                bad += 1
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def do_GET(self):
+        out = f"{count} {bad}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+    def log_message(self, *a):
+        pass
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+EVENTS_SQL = """
+INSERT INTO events (owner, type, job_id, data, created_at)
+SELECT :owner, 'job.' || (ARRAY['queued','running','succeeded'])[1 + (n / 1000) % 3],
+       'bench' || lpad((n % 1000)::text, 6, '0'),
+       json_build_object('job_id', 'bench' || lpad((n % 1000)::text, 6, '0'), 'n', n),
+       now()
+FROM generate_series(:start, :start + :count - 1) AS n
+"""
+
+
+def get_loop(url: str, headers: dict[str, str], stop: threading.Event) -> list[float]:
+    """GET ``url`` one after another until ``stop``; each request's seconds."""
+    times: list[float] = []
+    with httpx.Client(headers=headers, timeout=10) as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            r = c.get(url)
+            times.append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+    return times
+
+
+def received(url: str) -> tuple[int, int]:
+    count, bad = httpx.get(url, timeout=5).text.split()
+    return int(count), int(bad)
+
+
+def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, str]) -> Any:
+    env = {
+        "TRAINQ_WEBHOOK_ALLOW_LOOPBACK": "1",
+        "TRAINQ_WEBHOOK_DELIVER": "true" if mode == "thread" else "false",
+        **api_env,
+    }
+    api = s.serve_api(1, **env)
+    deliverer: subprocess.Popen[bytes] | None = None
+    receiver: subprocess.Popen[bytes] | None = None
+    engine = sa.create_engine(s.pg_url)
+    try:
+        with httpx.Client(base_url=api.url, headers=s.auth, timeout=10) as c:
+            job = c.post("/v1/jobs", json={"name": "b", "queue": "bench", "train": {}}).json()
+            port = free_port()
+            hook_url = f"http://127.0.0.1:{port}/hook"
+            hook = c.post("/v1/webhooks", json={"url": hook_url, "events": ["job.*"]})
+            assert hook.status_code == 201, hook.text
+            hook_id, secret = hook.json()["id"], hook.json()["secret"]
+        receiver = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER, str(port), secret], start_new_session=True
+        )
+        count_url = f"http://127.0.0.1:{port}/count"
+        for _ in range(100):
+            try:
+                received(count_url)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        if mode == "process":
+            with (s.tmp / "deliverer.log").open("wb") as log:
+                deliverer = subprocess.Popen(
+                    [sys.executable, "-m", "service.api.webhooks.delivery"],
+                    env=s.env(**env),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        get_url = f"{api.url}/v1/jobs/{job['id']}"
+        for _ in range(200):  # warm: connections, token cache
+            httpx.get(get_url, headers=s.auth)
+        pids = {"api": api, "deliverer": deliverer, "receiver": receiver}
+        out: dict[str, list[Any]] = {"quiet": [], "busy": []}
+        start = 0
+        for r in range(args.rounds * 2):
+            phase = "quiet" if r % 2 == 0 else "busy"
+            out[phase].append(phase_run(s, phase, get_url, count_url, engine, start, args, pids))
+            print(f"{mode} {phase}: {json.dumps(out[phase][-1])}", flush=True)
+            if phase == "busy":
+                start += args.events
+        count, bad = received(count_url)
+        with httpx.Client(base_url=api.url, headers=s.auth, timeout=10) as c:
+            log = c.get(f"/v1/webhooks/{hook_id}/deliveries", params={"status": "failed"})
+            failed = len(log.json()["items"])
+            c.delete(f"/v1/webhooks/{hook_id}")  # the next mode's events are not for it
+        return out, count, bad, failed
+    finally:
+        for p in (deliverer, receiver):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    print(f"pid {p.pid} did not stop in 30 s after SIGTERM: killed", flush=True)
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(5)
+        api.stop()
+        s.servers.remove(api)
+        engine.dispose()
+
+
+def _cpu(procs: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for name, p in procs.items():
+        if isinstance(p, Server):
+            out[name] = p.cpu_s()
+        elif p is not None:
+            out[name] = cpu_seconds([p.pid])
+    return out
+
+
+def phase_run(
+    s: Stack,
+    phase: str,
+    get_url: str,
+    count_url: str,
+    engine: sa.Engine,
+    start: int,
+    args: argparse.Namespace,
+    procs: dict[str, Any],
+) -> dict[str, Any]:
+    stop = threading.Event()
+    times: list[float] = []
+    loop = threading.Thread(target=lambda: times.extend(get_loop(get_url, s.auth, stop)))
+    before, _ = received(count_url)
+    cpu0, t0 = _cpu(procs), time.monotonic()
+    loop.start()
+    result: dict[str, Any] = {}
+    if phase == "quiet":
+        time.sleep(args.quiet_s)
+    else:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(EVENTS_SQL), {"owner": s.owner, "start": start, "count": args.events}
+            )
+        committed = time.monotonic()
+        deadline = committed + 600
+        while received(count_url)[0] < before + args.events:
+            if time.monotonic() > deadline:
+                raise SystemExit("the receiver did not get every event in 600 s")
+            time.sleep(0.05)
+        result["per_s"] = args.events / (time.monotonic() - committed)
+    stop.set()
+    loop.join()
+    wall = time.monotonic() - t0
+    cpu1 = _cpu(procs)
+    result["get"] = pct(times)
+    result["get"]["mean"] = 1000 * sum(times) / max(1, len(times))
+    result["cores"] = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0}
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--events", type=int, default=10_000)
+    p.add_argument("--mode", choices=("thread", "process", "both"), default="both")
+    p.add_argument("--rounds", type=int, default=1, help="quiet/busy pairs per mode")
+    p.add_argument("--quiet-s", type=float, default=6.0)
+    p.add_argument("--api-env", action="append", default=[], metavar="TRAINQ_X=V")
+    args = p.parse_args()
+    api_env = dict(kv.split("=", 1) for kv in args.api_env)
+    modes = ["thread", "process"] if args.mode == "both" else [args.mode]
+    rows = {}
+    with stack() as s:
+        for mode in modes:
+            rows[mode] = run_mode(s, mode, args, api_env)
+
+    print(f"\nwebhooks: {args.events} events a busy phase, one endpoint, receiver on loopback")
+    print(SHARED_CORES_NOTE)
+    ok = True
+    for mode, (out, count, bad, failed) in rows.items():
+        quiet = out["quiet"]
+        busy = out["busy"]
+        rate = median([b["per_s"] for b in busy])
+        q50 = median([q["get"]["p50"] for q in quiet])
+        b50 = median([b["get"]["p50"] for b in busy])
+        qmean = median([q["get"]["mean"] for q in quiet])
+        bmean = median([b["get"]["mean"] for b in busy])
+        ratio = bmean / qmean
+        ok = ok and rate >= 500 and ratio <= 1.10
+        print(
+            f"{mode:8s} deliveries {rate:7.0f}/s ({said(rate >= 500)} >= 500)"
+            f" | GET p50 quiet {q50:.2f} ms busy {b50:.2f} ms ({b50 / q50:.2f}x)"
+            f" | mean {qmean:.2f} -> {bmean:.2f} ms ({ratio:.2f}x, {said(ratio <= 1.10)} <= 1.10)"
+        )
+        print(
+            f"{'':8s} GET p99 quiet {median([q['get']['p99'] for q in quiet]):.2f} ms"
+            f" busy {median([b['get']['p99'] for b in busy]):.2f} ms;"
+            f" busy cores: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in busy[-1]["cores"].items())
+            + f"; received {count}, bad signatures {bad}, failed {failed}"
+        )
+    print(json.dumps({"met": ok}))
+
+
+if __name__ == "__main__":
+    main()
