@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.fence import Fence, Superseded
 from trainer.files import make_dirs
-from trainer.parallelize import all_reduce_sum, barrier, unwrap
+from trainer.parallelize import barrier, unwrap
 
 __all__ = [
     "CheckpointError",
@@ -219,16 +220,16 @@ def save_checkpoint(
 
 
 def _fenced(fence: Fence | None, step: int, model: nn.Module) -> None:
-    """Rank 0 asks the fence, and every rank learns its answer (one all-reduce): the whole
-    superseded attempt stops together, so no rank of it records a crash (exit.json) in a
-    run folder that is the next attempt's now."""
+    """Rank 0 asks the fence, and every rank learns its answer, word for word (one broadcast):
+    the whole superseded attempt stops together with one reason, so no rank of it records a
+    crash (exit.json) in a run folder that is the next attempt's now."""
     if fence is None:
         return
-    why = fence.ask(step)
-    device = next(model.parameters()).device
-    flag = all_reduce_sum(torch.tensor([1.0 if why else 0.0], device=device))
-    if flag.item() > 0:
-        raise Superseded(why or f"SUPERSEDED: rank 0 refused to publish checkpoint step {step}")
+    answer: list[str | None] = [fence.ask(step)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[0]:
+        raise Superseded(answer[0])
 
 
 def _write(

@@ -1,10 +1,11 @@
 """The trainer's contract with its launcher: the environment in, RUN_DIR/exit.json out.
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
-the worker adds TRAINQ_REDIS_URL, TRAINQ_REDIS_PREFIX, TRAINQ_JOB_ID, TRAINQ_ATTEMPT and, when
-its admin allows trackers at private addresses, TRAINQ_TRACKING_ALLOW_PRIVATE=1. Nothing else
-in the trainer reads ``os.environ`` (torch.distributed reads MASTER_* itself at init).
-Torch-free, so a bad config is refused before torch is even imported.
+the worker adds TRAINQ_REDIS_URL, TRAINQ_REDIS_PREFIX, TRAINQ_JOB_ID, TRAINQ_ATTEMPT,
+TRAINQ_FENCE and, when its admin allows trackers at private addresses,
+TRAINQ_TRACKING_ALLOW_PRIVATE=1. Nothing else in the trainer reads ``os.environ``
+(torch.distributed reads MASTER_* itself at init). Torch-free, so a bad config is refused
+before torch is even imported.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class TrainerEnv:
     redis_prefix: str = "trainq"
     job_id: str | None = None
     attempt: int = 1
+    # TRAINQ_FENCE=1: a worker claimed this attempt and raised its fence (trainer.fence);
+    # rank 0 confirms it before publishing a checkpoint. A run started by hand has none.
+    fenced: bool = False
     tracking_allow_private: bool = False  # a tracking URI may reach private addresses
 
     @property
@@ -87,6 +91,7 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         redis_prefix=env.get("TRAINQ_REDIS_PREFIX") or "trainq",
         job_id=env.get("TRAINQ_JOB_ID") or None,
         attempt=_int(env, "TRAINQ_ATTEMPT", 1),
+        fenced=env.get("TRAINQ_FENCE", "") == "1",
         tracking_allow_private=env.get("TRAINQ_TRACKING_ALLOW_PRIVATE", "") in ("1", "true"),
     )
 

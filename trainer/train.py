@@ -252,8 +252,8 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
 
 def _fence(env: TrainerEnv) -> Fence | None:
     """The attempt's fence (trainer.fence) where a worker started the run; rank 0 asks it."""
-    if env.redis_url is None or env.job_id is None:
-        return None
+    if not env.fenced or env.redis_url is None or env.job_id is None:
+        return None  # a run by hand (or a test's): no worker raised a fence to check
     client = None
     if env.is_main:
         import redis

@@ -245,6 +245,7 @@ def build_env(
             "TRAINQ_REDIS_PREFIX": redis_prefix,
             "TRAINQ_JOB_ID": job_id,
             "TRAINQ_ATTEMPT": str(attempt),
+            "TRAINQ_FENCE": "1",  # the worker raised the attempt's fence at claim
             # Ranks write into teed files; unbuffered output keeps lines flowing live.
             "PYTHONUNBUFFERED": "1",
             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": LOG_LINE_PREFIX,

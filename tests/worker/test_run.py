@@ -146,6 +146,7 @@ def test_cancel_mid_run_stops_every_process(
     assert env["OMP_NUM_THREADS"] == "1"  # the test env's: a worker's own setting wins
     leaked = {k for k in env if k.startswith("TRAINQ_")} - {
         "TRAINQ_REDIS_URL", "TRAINQ_REDIS_PREFIX", "TRAINQ_JOB_ID", "TRAINQ_ATTEMPT",
+        "TRAINQ_FENCE",
     }  # fmt: skip
     assert leaked == set(), "the broker URL and worker settings must not reach ranks"
     t0 = time.monotonic()
