@@ -814,15 +814,26 @@ class Engine:
             raise RuntimeError("this model's batch takes requests only when it is empty")
         for req in reqs:
             self.check(req)
-        logits, pending = self._prefill(reqs)  # [requests, T, vocab]: one row each
+        # Requests with the same prompt share one prefill row, as a request's n choices do
+        # (an evaluation harness sends a multiple-choice item's repeats, or the same context
+        # and continuation, together): its keys and values are copied to each of their rows.
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = [unique.setdefault(tuple(req.prompt), len(unique)) for req in reqs]
+        prompts = [list(p) for p in unique]
+        logits, pending = self._prefill(prompts, any(r.params.echo for r in reqs))
         width, vocab = logits.shape[1], logits.shape[-1]
         new: list[_Live] = []
         keep: list[int] = []  # the prefill row of each batch row: a request's n choices
         ended: list[Request] = []
-        for row, req in enumerate(reqs):
+        echoed: dict[tuple[int, int], list[dict[str, Any] | None]] = {}
+        for row, req in zip(row_of, reqs, strict=True):
             live = _Live(req, self.tok, vocab, self.limit, self.device)
             if req.params.echo:
-                self._echo(live, logits[row, width - len(req.prompt) : width - 1])
+                key = (row, req.params.logprobs or 0)
+                if key not in echoed:
+                    echoed[key] = self._echo(live, logits[row, width - len(req.prompt) : width - 1])
+                assert req.result is not None
+                req.result.prompt_logprobs = echoed[key]
             if live.steps <= 0:
                 self._close(live)
                 ended.append(req)
@@ -850,19 +861,21 @@ class Engine:
             live.req.batch = max(live.req.batch, len(self.live))
         return ended
 
-    def _prefill(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, Any]:
-        width = max(len(r.prompt) for r in reqs)
+    def _prefill(self, prompts: Sequence[list[int]], echo: bool) -> tuple[torch.Tensor, Any]:
+        """Logits ``[prompts, T, vocab]`` of the left-padded ``prompts`` (only the last
+        position's for the hf family unless ``echo``), and their cache."""
+        width = max(len(p) for p in prompts)
         ids, pads = [], []
-        for r in reqs:
-            pads.append(width - len(r.prompt))
-            ids.append([0] * pads[-1] + list(r.prompt))
+        for p in prompts:
+            pads.append(width - len(p))
+            ids.append([0] * pads[-1] + p)
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         pad = torch.tensor(pads, dtype=torch.long, device=self.device)
         if self.hf:
             rows = _HFRows(self.model, x, pad)
             # Only the last position's logits unless a prompt's own are asked for: a large
             # vocabulary times every prompt position is gigabytes.
-            return rows.forward(x, last=not any(r.params.echo for r in reqs)), rows
+            return rows.forward(x, last=not echo), rows
         cfg = self.model.cfg
         param = next(self.model.parameters())
         pending = KVCache(
@@ -872,7 +885,7 @@ class Engine:
         pending.set_pad(pad)
         return self.model.forward_cached(x, pending), pending
 
-    def _echo(self, live: _Live, logits: torch.Tensor) -> None:
+    def _echo(self, live: _Live, logits: torch.Tensor) -> list[dict[str, Any] | None]:
         """The prompt's own records from its prefill logits (``[len - 1, vocab]``: position
         i predicts token i + 1); the first is None."""
         prompt = list(live.req.prompt)
@@ -885,8 +898,7 @@ class Engine:
         records: list[dict[str, Any] | None] = [None]
         for i, token in enumerate(prompt[1:], start=1):
             records.append(_record(self.tok, token, own[i - 1], tops[i - 1], offsets[i]))
-        assert live.req.result is not None
-        live.req.result.prompt_logprobs = records
+        return records
 
     @torch.no_grad()
     def step(self) -> list[Request]:

@@ -392,11 +392,6 @@ class GenerationServer:
         self._late(req, f"while loading the model ({loaded.load_s:.1f} s)")
         return loaded, cached
 
-    def _start(
-        self, req: GenerateRequest, loaded: Loaded, cached: bool, prompt: list[int], batch: int
-    ) -> None:
-        self._send_all([(req, self._start_event(loaded, cached, prompt, batch))])
-
     def _start_event(
         self, loaded: Loaded, cached: bool, prompt: list[int], batch: int
     ) -> dict[str, Any]:
@@ -423,22 +418,22 @@ class GenerationServer:
         loaded, cached = self._model(req)
         tok = loaded.tokenizer
         reply = reply_stream(req.id, self.prefix)
+        # start and end in one round trip: the answer is at hand
         if req.kind == "tokenize":
             ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-            self._start(req, loaded, cached, ids, 1)
-            self._send(reply, req, {
+            end = {
                 "type": "end",
                 "tokens": ids,
                 "count": len(ids),
                 "max_model_len": context_length(loaded.model),
                 "token_strs": [tok.token_str(t) for t in ids],
                 "tokenizer": _tokenizer_info(tok),
-            })  # fmt: skip
-            return
-        ids = list(req.prompt_ids or [])
-        _check_ids(ids, _vocab(loaded.model), ["body", "prompt_ids"])
-        self._start(req, loaded, cached, ids, 1)
-        self._send(reply, req, {"type": "end", "prompt": tok.decode(ids)})
+            }  # fmt: skip
+        else:
+            ids = list(req.prompt_ids or [])
+            _check_ids(ids, _vocab(loaded.model), ["body", "prompt_ids"])
+            end = {"type": "end", "prompt": tok.decode(ids)}
+        self._send_all([(req, self._start_event(loaded, cached, ids, 1)), (req, end)], reply)
 
     # ---------------------------------------------------------------------------- decoding
 

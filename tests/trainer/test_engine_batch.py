@@ -100,6 +100,36 @@ def test_requests_decoded_together_equal_each_alone(family: str, tmp_path: Path)
             assert_same(a, r.result)
 
 
+@pytest.mark.parametrize("family", ["gpt", "hf"])
+def test_requests_with_the_same_prompt_share_a_prefill_and_equal_each_alone(
+    family: str, tmp_path: Path
+) -> None:
+    """A harness sends one context's choices, or an item's repeats, together: requests with
+    the same prompt are prefilled once; each still gets what it gets alone."""
+    model = model_of(family, tmp_path)
+    tok = ByteTokenizer()
+    echo = Sampling(max_tokens=3, temperature=0, logprobs=2, echo=True)
+    same = [echo, Sampling(max_tokens=1, temperature=0, logprobs=1, echo=True),
+            Sampling(max_tokens=3, temperature=0, n=2), echo]  # fmt: skip
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[1], PROMPTS[2]]
+    alone = [complete(model, tok, p, s) for p, s in zip(prompts, same, strict=True)]
+    engine = Engine(model, tok)
+    reqs = [Request(p, s) for p, s in zip(prompts, same, strict=True)]
+    forwards: list[int] = []
+    embed = model.inner.get_input_embeddings() if family == "hf" else model.wte
+    hook = embed.register_forward_pre_hook(lambda m, a: forwards.append(int(a[0].shape[0])))
+    try:
+        engine.add(reqs)
+    finally:
+        hook.remove()
+    assert forwards == [2], "two distinct prompts: one prefill row each"
+    engine.run()
+    for a, r in zip(alone, reqs, strict=True):
+        assert r.error is None and r.result is not None
+        assert_same(a, r.result)
+        assert r.result.prompt_text == a.prompt_text
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_seeded_sample_in_a_batch_is_the_one_drawn_alone(family: str, tmp_path: Path) -> None:
     model = model_of(family, tmp_path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from service.api.core.errors import (
     Unavailable,
 )
 from service.api.core.models import JOBS
-from service.api.generation.inflight import GRACE_S
 from service.api.scheduling.ratelimit import owner_hash
 from trainer.config import AnyModelConfig, ConfigError, resolve_data_path
 from trainer.tokenizer import BYTE, TokenizerError, dataset_tokenizer
@@ -44,18 +42,20 @@ from worker.genmessage import (
     cancel_key,
     decode_event,
     reply_stream,
-    request_stream,
 )
 
 __all__ = [
+    "REQUEST_STREAM_MAXLEN",
     "GatewayTimeout",
     "Relay",
     "Target",
     "WorkerLost",
     "check_length",
+    "check_served",
     "checkpoint_steps",
     "new_request",
     "parse_model",
+    "redis_lost",
     "resolve",
     "seq_len_of",
 ]
@@ -190,8 +190,9 @@ def _byte_length(services: Services, train: dict[str, Any], text: str | None) ->
 
 
 class Relay:
-    """Sends one request to its queue and reads its reply stream until ``end`` or ``error``;
-    past the deadline (plus a grace) a GatewayTimeout, never a hang."""
+    """One request's place on the wire: its reply stream and cancel key, its read cursor,
+    the worker that took it and whether its answer is complete. ``Relays`` (fanout.py)
+    sends a call's requests and reads their replies together."""
 
     def __init__(self, services: Services, target: Target, request: GenerateRequest) -> None:
         self.services = services
@@ -202,101 +203,57 @@ class Relay:
         self.cancel = cancel_key(request.id, prefix)
         self.cursor = "0-0"
         self.done = False
+        self.worker: str | None = None  # known from the start event (an older worker omits it)
 
-    async def send(self) -> None:
-        queue = self.target.queue
-
-        def served(workers: list[dict[str, Any]]) -> bool:
-            return any(queue in (w.get("queues") or ()) and not w.get("draining") for w in workers)
-
-        # The registry is cached for a second; a "no" is asked again fresh, so a worker that
-        # has just registered is not refused for the cache's age.
-        if not served(await self.services.alive_workers()) and not served(
-            await self.services.alive_workers(max_age_s=0)
-        ):
-            raise Unavailable(f"no live worker serves queue {queue}; generation runs on one")
-        try:
-            await self.services.aredis.xadd(
-                request_stream(queue, self.services.settings.redis_prefix),
-                self.request.to_entry(),
-                maxlen=REQUEST_STREAM_MAXLEN,
-                approximate=True,
-            )
-        except RedisError as exc:
-            raise _redis_lost(exc) from exc
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """The worker's events in order; raises the answer of an error event, of a timeout,
-        of the worker leaving the registry (WorkerLost) or of Redis failing (503)."""
-        try:
-            async for event in self._events():
-                yield event
-        except RedisError as exc:
+    def take(self, entry_id: Any, fields: dict[Any, Any]) -> dict[str, Any]:
+        """The event of one reply entry; raises the answer of an error event."""
+        self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        event = decode_event(fields)
+        if event["type"] == "error":
             self.done = True
-            raise _redis_lost(exc) from exc
+            raise _error(event)
+        if event["type"] == "start" and isinstance(event.get("worker"), str):
+            self.worker = event["worker"]
+        if event["type"] == "end":
+            self.done = True
+        return event
 
-    async def _events(self) -> AsyncIterator[dict[str, Any]]:
-        aredis = self.services.aredis
-        # Blocks no longer than the liveness period, so a lost worker is seen between reads.
-        block_ms = int(min(self.services.settings.sse_ping_s, LIVENESS_S) * 1000)
-        ends_at = self.request.deadline + GRACE_S
-        worker: str | None = None  # known from the start event (an older worker omits it)
-        looked = time.monotonic()
-        while True:
-            left = ends_at - time.time()
-            if left <= 0:
-                self.done = True
-                raise GatewayTimeout(
-                    f"no answer from a worker of queue {self.target.queue} within "
-                    f"{self.services.settings.generate_timeout_s:g} s (TRAINQ_GENERATE_TIMEOUT_S)"
-                )
-            if worker is not None and time.monotonic() - looked >= LIVENESS_S:
-                looked = time.monotonic()
-                await self._check_alive(worker)
-            block = max(1, min(block_ms, int(left * 1000)))
-            got = await aredis.xread({self.reply: self.cursor}, count=100, block=block)
-            for _, entries in got or ():
-                for entry_id, fields in entries:
-                    self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    event = decode_event(fields)
-                    if event["type"] == "error":
-                        self.done = True
-                        raise _error(event)
-                    if event["type"] == "start" and isinstance(event.get("worker"), str):
-                        worker = event["worker"]
-                    if event["type"] == "end":
-                        self.done = True
-                    yield event
-                    if self.done:
-                        return
-
-    async def _check_alive(self, worker: str) -> None:
-        """WorkerLost once ``worker`` is no longer a live registry entry: it has not beaten
-        for ``TRAINQ_WORKER_STALE_S`` (a kill), or it removed its entry (a shutdown that did
-        not answer)."""
-        live = await self.services.alive_workers()
-        if any(w.get("name") == worker for w in live):
-            return
+    def lost(self, live: list[dict[str, Any]]) -> WorkerLost | None:
+        """WorkerLost once the worker that took the request is no longer a live registry
+        entry (``live``): it has not beaten for ``TRAINQ_WORKER_STALE_S`` (a kill), or it
+        removed its entry (a shutdown that did not answer)."""
+        if self.worker is None or any(w.get("name") == self.worker for w in live):
+            return None
         self.done = True
         stale = self.services.settings.worker_stale_s
-        raise WorkerLost(
-            f"worker {worker} stopped during the generation (not seen in the worker registry "
-            f"for {stale:g} s, TRAINQ_WORKER_STALE_S); try again"
+        return WorkerLost(
+            f"worker {self.worker} stopped during the generation (not seen in the worker "
+            f"registry for {stale:g} s, TRAINQ_WORKER_STALE_S); try again"
         )
 
-    async def close(self) -> None:
-        """Drop the reply stream; if the answer was not complete, tell the worker to stop."""
-        aredis = self.services.aredis
-        try:
-            if not self.done:
-                ttl = int(self.services.settings.generate_timeout_s) + 60
-                await aredis.set(self.cancel, b"1", ex=ttl)
-            await aredis.delete(self.reply)
-        except Exception:  # Redis away: the stream's TTL removes it
-            pass
+    def timeout(self) -> GatewayTimeout:
+        self.done = True
+        return GatewayTimeout(
+            f"no answer from a worker of queue {self.target.queue} within "
+            f"{self.services.settings.generate_timeout_s:g} s (TRAINQ_GENERATE_TIMEOUT_S)"
+        )
 
 
-def _redis_lost(exc: RedisError) -> RedisUnavailable:
+async def check_served(services: Services, queue: str) -> None:
+    """503 unless a live, not draining worker serves ``queue``. The registry is cached for
+    a second; a "no" is asked again fresh, so a worker that has just registered is not
+    refused for the cache's age."""
+
+    def served(workers: list[dict[str, Any]]) -> bool:
+        return any(queue in (w.get("queues") or ()) and not w.get("draining") for w in workers)
+
+    if not served(await services.alive_workers()) and not served(
+        await services.alive_workers(max_age_s=0)
+    ):
+        raise Unavailable(f"no live worker serves queue {queue}; generation runs on one")
+
+
+def redis_lost(exc: RedisError) -> RedisUnavailable:
     return RedisUnavailable(
         f"Redis became unreachable during the generation ({type(exc).__name__}); try again"
     )
