@@ -4,7 +4,7 @@ Layout under ``RUN_DIR/checkpoints/``::
 
     step-N/meta.json        step, tokens seen, strategy, world size, model config (rank 0)
     step-N/model.pt         DDP / one process: full model + optimizer state (rank 0)
-    step-N/dcp/             FSDP: sharded model + optimizer (torch.distributed.checkpoint)
+    step-N/dcp/             FSDP / HSDP: sharded model + optimizer (torch.distributed.checkpoint)
     step-N/scaler.pt        GradScaler state when fp16 (rank 0)
     step-N/rng-rank{r}.pt   each rank's python, numpy, torch (and CUDA) RNG
     step-N/DONE             written last: only a checkpoint with DONE is ever loaded
@@ -18,7 +18,8 @@ and raises ``DiskFull``: the run ends with reason ``disk_full``, the disk keeps 
 Folders are made 0750 here; the files (ours, torch.save's, DCP's) are 0640 by the trainer's
 umask (trainer.files), and the rename keeps both.
 The batches are a pure function of the step (`trainer.data.BatchSampler`), so the data
-position is just the next step.
+position is just the next step, and a run resumes from either format under any strategy and
+world size (`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +38,15 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
+from trainer.fence import Fence, Superseded
 from trainer.files import make_dirs
-from trainer.parallelize import barrier, unwrap
+from trainer.parallelize import all_reduce_sum, barrier, unwrap
 
 __all__ = [
     "CheckpointError",
@@ -60,7 +67,7 @@ RNG_BYTES = 64 * 2**10  # one rank's rng-rank{r}.pt and its share of meta.json, 
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be resumed from here (other strategy, other model)."""
+    """A checkpoint that cannot be resumed from here (another model's)."""
 
 
 class DiskFull(Exception):
@@ -162,16 +169,20 @@ def save_checkpoint(
     model_config: dict[str, Any] | None = None,
     lora: dict[str, Any] | None = None,
     hf: bool = False,
+    fence: Fence | None = None,
 ) -> Path:
     """Save collectively (every rank calls this at the same step); returns the final path.
 
     ``model_config`` (and ``lora``, the adapters' config) go into meta.json, so a checkpoint
     alone says what model it holds (what `trainer.export` builds to read it). ``hf``: a
     Hugging Face folder follows this save (its room is checked too). DiskFull when the file
-    system has no room for it (nothing of it is left behind)."""
+    system has no room for it (nothing of it is left behind). ``fence`` (rank 0's, see
+    trainer.fence): asked before anything is touched and before the checkpoint becomes
+    visible; Superseded if a newer attempt of the job was claimed meanwhile."""
     root = run_dir / "checkpoints"
     tmp = root / f"tmp-step-{progress.step}"
     final = root / f"step-{progress.step}"
+    _fenced(fence, progress.step, model)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save left it half written
         make_dirs(root)
@@ -194,14 +205,30 @@ def save_checkpoint(
             " files were removed (checkpoint.keep and checkpoint.hf set how much a run keeps)"
         )
     barrier()  # every rank's files are in tmp before it becomes a checkpoint
+    _fenced(fence, progress.step, model)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
         tmp.rename(final)
         (final / DONE).write_text(f"{progress.step}\n")
+        if fence is not None:
+            fence.published(progress.step)
         for _, old in checkpoint_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def _fenced(fence: Fence | None, step: int, model: nn.Module) -> None:
+    """Rank 0 asks the fence, and every rank learns its answer (one all-reduce): the whole
+    superseded attempt stops together, so no rank of it records a crash (exit.json) in a
+    run folder that is the next attempt's now."""
+    if fence is None:
+        return
+    why = fence.ask(step)
+    device = next(model.parameters()).device
+    flag = all_reduce_sum(torch.tensor([1.0 if why else 0.0], device=device))
+    if flag.item() > 0:
+        raise Superseded(why or f"SUPERSEDED: rank 0 refused to publish checkpoint step {step}")
 
 
 def _write(
@@ -251,19 +278,28 @@ def load_checkpoint(
     rank: int,
     device: torch.device,
 ) -> Progress:
-    """Restore into an already parallelized model and its optimizer (every rank calls this)."""
+    """Restore into an already parallelized model and its optimizer (every rank calls this),
+    whatever strategy and world size wrote the checkpoint: one process, DDP, FSDP and HSDP
+    hold the same parameters by the same names, only stored differently.
+
+    - ``dcp/`` (FSDP, HSDP): DCP reads each rank's part of every tensor, into shards of any
+      mesh (another world size, FSDP <-> HSDP) or whole tensors (DDP, one process), keyed
+      by parameter name (``get_state_dict``);
+    - ``model.pt`` (DDP, one process) into the same: loaded as it was saved; into FSDP or
+      HSDP: as full state dicts that each rank cuts its shards from, the optimizer's state
+      keyed by parameter name instead of position first."""
     meta = json.loads((path / "meta.json").read_text())
-    if meta["strategy"] != strategy:
-        raise CheckpointError(
-            f"checkpoint {path} was written with strategy {meta['strategy']!r}; "
-            f"this run uses {strategy!r} (start a new run dir to switch)"
-        )
     try:
-        if strategy == "fsdp":
+        if (path / "dcp").is_dir():
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            # dcp.load fills these dicts in place, each rank reading only its own shards.
-            dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / "dcp")
+            # dcp.load fills these dicts in place, each rank reading only its own shards
+            # (one process without torchrun: all of them; DCP warns of it, as intended here).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / "dcp")
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        elif strategy == "fsdp":
+            _load_full_into_shards(path / "model.pt", model, optimizer)
         else:
             state = torch.load(path / "model.pt", map_location=device, weights_only=True)
             unwrap(model).load_state_dict(state["model"])
@@ -278,3 +314,35 @@ def load_checkpoint(
     if rng.is_file():  # absent when the world grew; the data order does not depend on it
         _set_rng_state(torch.load(rng, weights_only=True))
     return Progress(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]))
+
+
+def _load_full_into_shards(file: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A whole-model ``model.pt`` into a sharded model: every rank reads it (on the CPU; it
+    was written by a run that held all of it on each rank) and ``set_state_dict`` keeps the
+    rank's own shards of each full tensor, with no collective."""
+    saved = torch.load(file, map_location="cpu", weights_only=True)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=saved["model"],
+        optim_state_dict=_optimizer_by_name(saved["optimizer"], optimizer, model),
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def _optimizer_by_name(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` numbers parameters by position over its groups; a state
+    dict for ``set_state_dict`` names them. The optimizer is built the same way whatever the
+    strategy (trainer.train.build_optimizer), so position i here is position i there."""
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    state: dict[str, Any] = {}
+    groups = []
+    for was, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+        fqns = [names[id(p)] for p in group["params"]]
+        for index, fqn in zip(was["params"], fqns, strict=True):
+            if index in saved["state"]:
+                state[fqn] = saved["state"][index]
+        groups.append({**was, "params": fqns})
+    return {"state": state, "param_groups": groups}

@@ -43,6 +43,7 @@ __all__ = [
     "LoraConfig",
     "MlflowConfig",
     "ModelConfig",
+    "MoeConfig",
     "OptimConfig",
     "TrackingConfig",
     "TrainConfig",
@@ -133,6 +134,25 @@ class LlamaConfig(_Strict):
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
 
 
+class MoeConfig(LlamaConfig):
+    """``family: moe``: the llama decoder with each feed-forward replaced by ``n_experts``
+    SwiGLU experts (``ffn_hidden`` wide each) and a top-``top_k`` router (trainer/moe.py),
+    Mixtral's design. ``aux_loss_coef``: the load-balancing loss's weight (Switch/Mixtral's
+    form, transformers' ``router_aux_loss_coef``); ``router_z_loss_coef``: ST-MoE's z-loss."""
+
+    family: Literal["moe"]  # type: ignore[assignment]
+    n_experts: int = Field(4, ge=1, le=1024)
+    top_k: int = Field(2, ge=1, le=64)
+    aux_loss_coef: float = Field(0.01, ge=0, le=100)
+    router_z_loss_coef: float = Field(0.0, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _top_k(self) -> MoeConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be at most n_experts ({self.n_experts})")
+        return self
+
+
 class HFModelConfig(_Strict):
     """``family: hf``: any causal language model ``transformers`` builds from a local folder
     (trainer/hfmodel.py). ``from_pretrained`` semantics: a folder with weights starts from
@@ -157,6 +177,7 @@ def _family(value: Any) -> str:
 AnyModelConfig = Annotated[
     Annotated[ModelConfig, Tag("gpt")]
     | Annotated[LlamaConfig, Tag("llama")]
+    | Annotated[MoeConfig, Tag("moe")]
     | Annotated[HFModelConfig, Tag("hf")],
     Discriminator(_family),
 ]
@@ -246,6 +267,7 @@ class InitConfig(_Strict):
 DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "gpt": ("attn.qkv", "attn.proj"),
     "llama": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
+    "moe": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
     "hf": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 
@@ -275,6 +297,11 @@ class FSDPConfig(_Strict):
     # Parameters, gradients and optimizer state live in CPU memory, copied to the device per
     # block: the native counterpart of ZeRO-Offload (slower; for models that do not fit).
     cpu_offload: bool = False
+    # HSDP: the ranks form a (replicate, shard) mesh; each parameter is sharded over the
+    # ranks of a shard group (a node's, by torchrun's rank order) and replicated across the
+    # groups, so only the gradient all-reduce crosses nodes. auto: the number of nodes when
+    # the job has several, else 1 (plain FSDP); N must divide the world size (trainer.mesh).
+    replicate: Literal["auto"] | Annotated[int, Field(ge=1, le=65536)] = "auto"
 
 
 class CheckpointConfig(_Strict):
@@ -396,7 +423,9 @@ class TrainConfig(_Strict):
         if self.precision == "fp16" and self.strategy == "fsdp":
             raise ValueError("precision fp16 works with strategy ddp only; use bf16 with fsdp")
         if self.strategy != "fsdp" and self.fsdp != FSDPConfig():
-            raise ValueError("fsdp options (cpu_offload, reshard_after_forward) need strategy fsdp")
+            raise ValueError(
+                "fsdp options (cpu_offload, reshard_after_forward, replicate) need strategy fsdp"
+            )
         return self
 
     @property

@@ -1,10 +1,10 @@
 """The trainer's contract with its launcher: the environment in, RUN_DIR/exit.json out.
 
-torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the worker adds
-TRAINQ_REDIS_URL, TRAINQ_REDIS_PREFIX, TRAINQ_JOB_ID, TRAINQ_ATTEMPT and, when its admin
-allows trackers at private addresses, TRAINQ_TRACKING_ALLOW_PRIVATE=1. Nothing else in the
-trainer reads ``os.environ`` (torch.distributed reads MASTER_* itself at init). Torch-free,
-so a bad config is refused before torch is even imported.
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
+the worker adds TRAINQ_REDIS_URL, TRAINQ_REDIS_PREFIX, TRAINQ_JOB_ID, TRAINQ_ATTEMPT and, when
+its admin allows trackers at private addresses, TRAINQ_TRACKING_ALLOW_PRIVATE=1. Nothing else
+in the trainer reads ``os.environ`` (torch.distributed reads MASTER_* itself at init).
+Torch-free, so a bad config is refused before torch is even imported.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class TrainerEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # the ranks of this node (torchrun's --nproc-per-node)
     distributed: bool = False  # launched by torchrun (even with one rank)
     redis_url: str | None = None
     redis_prefix: str = "trainq"
@@ -52,6 +53,11 @@ class TrainerEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        """The nodes of the launch (torchrun gives every node the same number of ranks)."""
+        return max(1, self.world_size // max(1, self.local_world_size))
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -75,6 +81,7 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         rank=rank,
         local_rank=_int(env, "LOCAL_RANK", 0),
         world_size=world,
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
         distributed="RANK" in env and "WORLD_SIZE" in env,
         redis_url=env.get("TRAINQ_REDIS_URL") or None,
         redis_prefix=env.get("TRAINQ_REDIS_PREFIX") or "trainq",

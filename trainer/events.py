@@ -95,6 +95,7 @@ class ExitCode(IntEnum):
     NAN_LOSS = 75
     OOM = 76
     DISK_FULL = 77  # the run folder's file system has no room for a checkpoint
+    SUPERSEDED = 78  # a newer attempt of the job was claimed (trainer.fence): no exit.json
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,10 @@ class Keys:
 
     def claim(self, job_id: str, attempt: int, node: int = 0) -> str:
         return f"{self.prefix}:claim:{job_id}:{attempt}" + (f":{node}" if node else "")
+
+    def fence(self, job_id: str) -> str:
+        """The job's newest claimed attempt and its published checkpoint (trainer.fence)."""
+        return f"{self.prefix}:fence:{job_id}"
 
     def gang(self, job_id: str, attempt: int) -> str:
         return f"{self.prefix}:gang:{job_id}:{attempt}"

@@ -118,7 +118,7 @@ def _checkpoint_problems(cfg: AnyModelConfig, theirs: AnyModelConfig, source: st
     problems = shape_problems(meta_shapes(cfg), meta_shapes(theirs), source)
     fields = ["n_head"]
     if isinstance(cfg, LlamaConfig):
-        fields += ["rope_theta", "norm_eps"]
+        fields += ["rope_theta", "norm_eps", *(["top_k"] if cfg.family == "moe" else [])]
         if cfg.tie_embeddings and isinstance(theirs, LlamaConfig) and not theirs.tie_embeddings:
             problems.append(
                 f"{source} has an output matrix of its own, but this model ties it to the "
@@ -577,11 +577,20 @@ def _hf_base(transformers: Any, model: Any) -> Any:
     if base.cfg.family == "hf":
         return base.inner.eval()
     config = _native_config(transformers, base.cfg, None)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing = hf.load_state_dict(to_hf_state_dict(base), strict=False).missing_keys
-    if [k for k in missing if k != "lm_head.weight"]:
+    # Loaded as from_pretrained loads a folder: the file layout (to_hf_state_dict's) turned
+    # into the modules' own where they differ (transformers 5's Mixtral fuses its experts).
+    cls = getattr(transformers, config.architectures[0])
+    state = to_hf_state_dict(base)
+
+    def load() -> Any:
+        return cls.from_pretrained(
+            None, config=config, state_dict=state, dtype=torch.float32, output_loading_info=True
+        )
+
+    hf, info = _quiet_load(transformers, load)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
         raise ExportError(f"the base model lacks {listed(missing)} in transformers' layout")
-    hf.tie_weights()
     return hf.eval()
 
 

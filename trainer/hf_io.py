@@ -1,6 +1,9 @@
 """Hugging Face's side of the native families' weights: tensor names, config.json and
-safetensors folders, for ``gpt`` <-> ``GPT2LMHeadModel`` and ``llama`` <-> ``LlamaForCausalLM``
-(trainer.hf moves weights in and out with them).
+safetensors folders, for ``gpt`` <-> ``GPT2LMHeadModel``, ``llama`` <-> ``LlamaForCausalLM``
+and ``moe`` <-> ``MixtralForCausalLM`` (trainer.hf moves weights in and out with them).
+Mixtral's files hold one tensor per expert (``block_sparse_moe.experts.{e}.w1.weight``, the
+layout transformers saves and the Hub's checkpoints have) where ours stacks them
+(``feed_forward.w1.weight`` ``[E, out, in]``): a `Pair` with an ``expert`` is one slice.
 
 The maps are one table of tensor names (`pairs`). Llama's rotary embeddings already use
 Hugging Face's "rotate half" layout, so its weights move unchanged. Our GPT is GPT-2 with
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import AnyModelConfig, ConfigError, LlamaConfig, ModelConfig
+from trainer.config import AnyModelConfig, ConfigError, LlamaConfig, ModelConfig, MoeConfig
 from trainer.models import build_model
 
 __all__ = [
@@ -41,7 +44,7 @@ EXTRA = "pip install 'trainq[hf]'"
 CONFIG_FILE = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-MODEL_TYPE = {"gpt": "gpt2", "llama": "llama"}
+MODEL_TYPE = {"gpt": "gpt2", "llama": "llama", "moe": "mixtral"}
 _MAX_HEADER = 100 * 2**20  # a safetensors header is JSON; refuse a corrupt length
 
 
@@ -50,6 +53,7 @@ class Pair:
     ours: str
     hf: str
     transpose: bool = False  # GPT-2's Conv1D: [in, out] where nn.Linear is [out, in]
+    expert: int | None = None  # moe: this expert's slice of our stacked tensor
 
 
 def pairs(cfg: AnyModelConfig) -> list[Pair]:
@@ -62,10 +66,19 @@ def pairs(cfg: AnyModelConfig) -> list[Pair]:
                 Pair(f"{a}attention.{ours}.weight", f"{b}self_attn.{hf}_proj.weight")
                 for ours, hf in (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o"))
             ]
-            out += [
-                Pair(f"{a}feed_forward.{ours}.weight", f"{b}mlp.{hf}_proj.weight")
-                for ours, hf in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
-            ]
+            if isinstance(cfg, MoeConfig):
+                moe = f"{b}block_sparse_moe."
+                out.append(Pair(f"{a}feed_forward.router.weight", f"{moe}gate.weight"))
+                out += [
+                    Pair(f"{a}feed_forward.{w}.weight", f"{moe}experts.{e}.{w}.weight", expert=e)
+                    for e in range(cfg.n_experts)
+                    for w in ("w1", "w2", "w3")
+                ]
+            else:
+                out += [
+                    Pair(f"{a}feed_forward.{ours}.weight", f"{b}mlp.{hf}_proj.weight")
+                    for ours, hf in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+                ]
             out += [
                 Pair(f"{a}attention_norm.weight", f"{b}input_layernorm.weight"),
                 Pair(f"{a}ffn_norm.weight", f"{b}post_attention_layernorm.weight"),
@@ -91,7 +104,7 @@ def pairs(cfg: AnyModelConfig) -> list[Pair]:
                 out.append(Pair(f"{a}{ours}.bias", f"{b}{hf}.bias"))
         out += [Pair(f"ln_f.{p}", f"transformer.ln_f.{p}") for p in ("weight", "bias")]
         return out  # lm_head is wte (always tied)
-    raise ConfigError(f"family {cfg.family}: Hugging Face weights map for gpt and llama only")
+    raise ConfigError(f"family {cfg.family}: Hugging Face weights map for gpt, llama and moe")
 
 
 def tied_names(cfg: AnyModelConfig) -> tuple[str, str] | None:
@@ -110,8 +123,30 @@ def hf_config(cfg: AnyModelConfig) -> dict[str, Any]:
     No token ids are claimed (bos/eos None): the model knows no tokenizer. GPT-2's dropouts
     are 0, as in our GPT, so transformers trains the same function."""
     if not isinstance(cfg, LlamaConfig | ModelConfig):
-        raise ConfigError(f"family {cfg.family}: Hugging Face weights map for gpt and llama only")
+        raise ConfigError(f"family {cfg.family}: Hugging Face weights map for gpt, llama and moe")
     common = {"vocab_size": cfg.vocab_size, "bos_token_id": None, "eos_token_id": None}
+    if isinstance(cfg, MoeConfig):
+        return {
+            "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"],
+            **common,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.hidden,
+            "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head,
+            "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.d_model // cfg.n_head,
+            "max_position_embeddings": cfg.seq_len,
+            "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "router_aux_loss_coef": cfg.aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
     if isinstance(cfg, LlamaConfig):
         return {
             "model_type": "llama",
@@ -158,6 +193,7 @@ def to_hf_state_dict(model: Any) -> dict[str, torch.Tensor]:
     out = {}
     for p in pairs(model.cfg):
         t = state[p.ours].detach()
+        t = t[p.expert] if p.expert is not None else t
         out[p.hf] = (t.t() if p.transpose else t).to("cpu").contiguous().clone()
     return out
 
@@ -220,7 +256,7 @@ def hf_problems(
     expected = {}
     ours = meta_shapes(cfg)
     for p in pairs(cfg):
-        shape = ours[p.ours]
+        shape = ours[p.ours] if p.expert is None else ours[p.ours][1:]
         expected[p.hf] = (shape[1], shape[0]) if p.transpose else shape
     tied = tied_names(cfg)
     if tied is not None and "lm_head.weight" in found:
@@ -250,10 +286,15 @@ def from_hf_state_dict(
             )
     if problems:
         raise ConfigError("; ".join(problems))
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[torch.Tensor]] = {}
     for p in pairs(cfg):
         t = tensors[names[p.hf]]
+        if p.expert is not None:  # in expert order (pairs lists them so)
+            experts.setdefault(p.ours, []).append(t)
+            continue
         out[p.ours] = t.t() if p.transpose else t
+    out.update({name: torch.stack(ts) for name, ts in experts.items()})
     if tied is not None:
         out[tied[0]] = out[tied[1]]
     return out
@@ -343,6 +384,12 @@ def config_problems(
         act = hfc.get("hidden_act", "silu")
         if act != "silu":
             problems.append(f"{source} has hidden_act {act!r}; trainq's Llama has silu")
+        if isinstance(cfg, MoeConfig):
+            differs("num_experts_per_tok", hfc.get("num_experts_per_tok"), "model.top_k", cfg.top_k)
+            if hfc.get("sliding_window") is not None:
+                problems.append(f"{source} attends in a sliding window; trainq's moe does not")
+            if hfc.get("router_jitter_noise"):
+                notes.append(f"init: {source} trained with router jitter; trainq routes without")
     elif isinstance(cfg, ModelConfig):
         differs("n_head", hfc.get("n_head"), "model.n_head", cfg.n_head)
         eps = hfc.get("layer_norm_epsilon", 1e-5)

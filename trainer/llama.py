@@ -137,11 +137,14 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    # The block a family builds on this decoder (trainer.moe swaps the feed-forward in its own)
+    block_class: type[LlamaBlock] = LlamaBlock
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

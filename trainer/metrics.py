@@ -31,6 +31,7 @@ __all__ = [
     "TensorBoardCurves",
     "format_line",
     "peak_flops",
+    "peak_flops_of",
     "peak_memory_bytes",
 ]
 
@@ -38,7 +39,8 @@ __all__ = [
 # fp32 is the non-tensor-core figure: PyTorch leaves TF32 matmuls off by default. Matched
 # against torch.cuda.get_device_name() in this order (the first substring that matches wins).
 _PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
-    ("H200", 989.4e12, 66.9e12),
+    ("H200 NVL", 835.0e12, 60.0e12),  # "NVIDIA H200 NVL" (PCIe form factor)
+    ("H200", 989.4e12, 66.9e12),  # SXM ("NVIDIA H200"); GH200's name matches here too
     ("H100 PCIe", 756.0e12, 51.2e12),
     ("H100 NVL", 835.0e12, 60.0e12),
     ("H100", 989.4e12, 66.9e12),  # SXM ("NVIDIA H100 80GB HBM3")
@@ -59,7 +61,11 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     """The device's dense peak FLOP/s for this precision; None on CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_of(torch.cuda.get_device_name(device), precision)
+
+
+def peak_flops_of(name: str, precision: str) -> float | None:
+    """The dense peak FLOP/s of the device called ``name`` (torch.cuda.get_device_name)."""
     for key, half, fp32 in _PEAK_FLOPS:
         if key in name:
             return fp32 if precision == "fp32" else half

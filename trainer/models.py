@@ -1,6 +1,6 @@
 """Model families behind one `build_model`: ``gpt`` (trainer.model), ``llama``
-(trainer.llama) and ``hf`` (trainer.hfmodel: any transformers causal LM from a local folder),
-chosen by the spec's ``train.model.family``.
+(trainer.llama), ``moe`` (trainer.moe: the llama with experts) and ``hf`` (trainer.hfmodel:
+any transformers causal LM from a local folder), chosen by the spec's ``train.model.family``.
 
 Every family's model has the same shape to the trainer (`Decoder`): ``blocks`` (what FSDP
 shards and activation checkpointing wraps), ``init_weights()`` (drawn from the current RNG,
@@ -16,7 +16,7 @@ import torch
 from pydantic import TypeAdapter
 from torch import nn
 
-from trainer.config import AnyModelConfig, HFModelConfig, LlamaConfig
+from trainer.config import AnyModelConfig, HFModelConfig, LlamaConfig, MoeConfig
 
 __all__ = ["Decoder", "build_model", "model_config", "vocab_size"]
 
@@ -50,6 +50,10 @@ def vocab_size(cfg: AnyModelConfig) -> int:
 
 def build_model(cfg: AnyModelConfig) -> nn.Module:
     """The model of ``cfg``'s family, its weights not yet drawn (call ``init_weights``)."""
+    if isinstance(cfg, MoeConfig):
+        from trainer.moe import MoE
+
+        return MoE(cfg)
     if isinstance(cfg, LlamaConfig):
         from trainer.llama import Llama
 

@@ -4,7 +4,8 @@ compile, torchtitan's names.
 `init_distributed` turns the torchrun environment (read by `trainer.env.read_env`) into a
 device and a process group: gloo on CPU, nccl on CUDA with the rank's own device. The
 ``apply_*`` functions wrap a built model (FSDP's is built on the meta device and
-materialized after sharding, torchtitan's order); `maybe_no_sync` is how gradient
+materialized after sharding, torchtitan's order; HSDP is FSDP2 over `build_mesh`'s 2-D
+mesh); `maybe_no_sync` is how gradient
 accumulation skips the gradient reduction on all but the last micro-step.
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -39,6 +41,7 @@ __all__ = [
     "apply_ddp",
     "apply_fsdp",
     "barrier",
+    "build_mesh",
     "clip_grad_norm",
     "destroy_distributed",
     "init_distributed",
@@ -147,14 +150,28 @@ _NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
 )
 
 
+def build_mesh(device: torch.device, shape: tuple[int, int] | None) -> DeviceMesh | None:
+    """HSDP's 2-D device mesh ``(replicate, shard)`` (trainer.mesh.Layout.mesh), as
+    torchtitan builds its ``dp_replicate x dp_shard`` one; None: FSDP2's default 1-D mesh
+    over every rank. Row-major, so a shard group is consecutive ranks: one node's."""
+    if shape is None:
+        return None
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
 def apply_fsdp(
     model: nn.Module,
     param_dtype: torch.dtype | None = None,
     *,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2: shard each block, then the root (embeddings, final norm, tied head).
+
+    With a 2-D ``mesh`` (`build_mesh`) it is HSDP: each parameter is sharded over the mesh's
+    ``shard`` dimension and replicated over ``replicate``; FSDP2 reduce-scatters gradients
+    within a shard group and all-reduces the shards across the groups.
 
     With ``param_dtype`` (bf16), parameters are gathered and computed in that dtype while
     the sharded master weights, and the gradient reduction, stay fp32.
@@ -168,11 +185,12 @@ def apply_fsdp(
     for block in _blocks(model):
         fully_shard(
             block,
+            mesh=mesh,
             mp_policy=mp,
             offload_policy=offload,
             reshard_after_forward=reshard_after_forward,
         )
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
 
 

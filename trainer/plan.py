@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from trainer.config import TrainConfig
+from trainer.mesh import layout
 from trainer.plan_memory import Run, device_memory, host_offloaded, parameter_counts
 from trainer.plan_shape import model_shape
 
@@ -96,18 +97,30 @@ def plan(
     world = nodes * procs_per_node
     micro = train.batch.micro_batch_size * train.model.seq_len
     shape, notes = model_shape(train, data_root)
+    mesh = layout(train, world, nodes)  # the service refused a replicate that does not divide
     out: dict[str, Any] = {
         "family": train.model.family,
         "world_size": world,
+        "layout": {
+            "strategy": mesh.strategy,
+            "replicate": mesh.replicate,
+            "shard": mesh.shard,
+            "describe": mesh.describe(),
+        },
         "tokens_per_step": micro * train.batch.grad_accum_steps * world,
-        "parameters": {"total": None, "trainable": None},
+        "parameters": {"total": None, "trainable": None, "active": None},
         "memory": None,
         "disk": None,
     }
     total = None
     if shape is not None:
         counts = parameter_counts(shape, train)
-        out["parameters"] = {"total": counts.total, "trainable": counts.trainable}
+        out["parameters"] = {
+            "total": counts.total,
+            "trainable": counts.trainable,
+            # what one token computes with: all of them, but the experts it skips (moe)
+            "active": counts.total - shape.n_layer * shape.idle_block_params,
+        }
         out["disk"] = disk(train, counts.total, counts.trainable, world)
         if train.lora is not None and counts.trainable == 0:
             notes.append("lora.targets match no linear of the model: the trainer refuses it")
@@ -116,7 +129,7 @@ def plan(
             shape=shape,
             counts=counts,
             tokens=micro,
-            world=world,
+            world=mesh.shard,  # FSDP shards over the shard dimension only (HSDP replicates)
             fsdp=fsdp,
             offload=fsdp and train.fsdp.cpu_offload,
             half=train.precision in ("bf16", "fp16"),

@@ -5,7 +5,9 @@ tokens of one micro-batch (micro_batch_size * seq_len), ``d`` d_model, ``q`` the
 width (n_head * head_dim; d for gpt and llama), ``h`` the MLP's hidden width, ``V`` the vocab,
 ``L`` the blocks, ``H`` the heads, ``a`` the bytes of a compute activation (4 fp32, 2 under
 bf16/fp16 autocast), ``p`` the bytes of an FSDP-gathered parameter (2 bf16, else 4), ``P``
-all parameters, ``T`` the trainable ones, ``W`` the world size.
+all parameters, ``T`` the trainable ones, ``W`` the ranks a parameter is sharded over: the
+world size under fsdp, the shard dimension of the mesh under HSDP (``fsdp.replicate`` > 1,
+trainer.mesh: each shard group holds a whole copy).
 
 - weights: ddp ``4P``, plus under autocast the cached half copies of the matmul weights
   (``2 * matmul params``: autocast keeps fp32 weights and casts each once per forward);
@@ -141,7 +143,7 @@ class Run:
     shape: Shape
     counts: Counts
     tokens: int  # s: one micro-batch's tokens
-    world: int
+    world: int  # W: the ranks a parameter is sharded over (fsdp; HSDP's shard dimension)
     fsdp: bool
     offload: bool
     half: bool  # bf16 / fp16 autocast

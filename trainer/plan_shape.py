@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from trainer.config import (
@@ -18,12 +18,13 @@ from trainer.config import (
     HFModelConfig,
     LlamaConfig,
     ModelConfig,
+    MoeConfig,
     TrainConfig,
     resolve_data_path,
 )
 from trainer.files import NotPlainFile, read_plain
 
-__all__ = ["Linear", "Shape", "hf_shape", "model_shape", "read_hf_config"]
+__all__ = ["Linear", "Shape", "hf_shape", "model_shape", "moe_shape", "read_hf_config"]
 
 MAX_HF_CONFIG_BYTES = 1 << 20
 
@@ -63,10 +64,18 @@ class Shape:
     # trains (its weight's gradient needs it), once per such linear under autocast (each
     # casts its own copy), once in all in fp32
     linear_inputs: tuple[tuple[int, tuple[str, ...]], ...]
+    # moe: a block's parameters that one token does not compute with (the experts it is
+    # not routed to)
+    idle_block_params: int = 0
 
     @property
     def params(self) -> int:
         return self.root_params + self.n_layer * self.block_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with (all of them but for a moe)."""
+        return self.params - self.n_layer * self.idle_block_params
 
     @property
     def matmul_params(self) -> int:
@@ -206,6 +215,38 @@ def llama_shape(c: LlamaConfig) -> Shape:
     )
 
 
+def moe_shape(c: MoeConfig) -> Shape:
+    """trainq's moe (trainer/moe.py): the llama's attention; per block a router and
+    ``n_experts`` SwiGLU experts, each token's rows copied to ``top_k`` of them. The experts
+    are not ``nn.Linear`` layers (LoRA leaves them); listed once each, ``n_experts`` wide."""
+    dense = llama_shape(c)
+    d, h, e, k = c.d_model, c.hidden, c.n_experts, c.top_k
+    attention = dense.block_linears[:4]
+    experts = tuple(
+        Linear(f"feed_forward.{n}", i, o * e, adaptable=False)
+        for n, (i, o) in (("w1", (d, h)), ("w2", (h, d)), ("w3", (d, h)))
+    )
+    linears = (*attention, Linear("feed_forward.router", d, e), *experts)
+    q, kv = dense.attn_width, c.kv_heads * (d // c.n_head)
+    return replace(
+        dense,
+        family="moe",
+        block_params=2 * d + sum(x.fan_in * x.fan_out for x in linears),
+        block_linears=linears,
+        # per token: q, k, v, attention out; the router's probabilities; per copy of the
+        # token (top_k): the experts' w1/w3 outputs and silu, and the weighted output
+        kept_always=2 * q + 2 * kv + e + k * (3 * h + d),
+        linear_inputs=(
+            (d, tuple(x.name for x in attention[:3])),
+            (q, (attention[3].name,)),
+            (d, ("feed_forward.router",)),
+            (k * d, ("feed_forward.w1", "feed_forward.w3")),  # the rows sorted by expert
+            (k * h, ("feed_forward.w2",)),
+        ),
+        idle_block_params=3 * d * h * (e - k),
+    )
+
+
 def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     value = cfg.get(key)
     if value is None:
@@ -302,6 +343,8 @@ def model_shape(
 ) -> tuple[Shape | None, list[str]]:
     """The shape of the spec's model, and notes; None when a hf config cannot be read."""
     m = train.model
+    if isinstance(m, MoeConfig):
+        return moe_shape(m), []
     if isinstance(m, LlamaConfig):
         return llama_shape(m), []
     if isinstance(m, HFModelConfig):

@@ -44,16 +44,20 @@ from trainer.checkpoint import (
 from trainer.config import ConfigError, OptimConfig, TrainConfig
 from trainer.data import IGNORE_INDEX, BatchSampler, DataError, TokenDataset, check_vocab
 from trainer.env import TrainerEnv, write_crash, write_exit_file
-from trainer.events import ExitCode
+from trainer.events import ExitCode, Keys
+from trainer.fence import Fence, Superseded
 from trainer.lora import apply_lora, init_lora, lora_param_count, targets_for
+from trainer.mesh import layout
 from trainer.metrics import MetricsLogger, StepWindow, format_line, peak_flops
 from trainer.models import build_model, vocab_size
+from trainer.moe import MoE, load_metrics
 from trainer.parallelize import (
     all_reduce_sum,
     apply_ac,
     apply_compile,
     apply_ddp,
     apply_fsdp,
+    build_mesh,
     clip_grad_norm,
     destroy_distributed,
     init_distributed,
@@ -127,20 +131,24 @@ class Shared:
     its own after it. Every rank starts it at the same point, before the backward's gradient
     reductions, so the collectives' order is the same everywhere."""
 
-    def __init__(self, loss_sum: torch.Tensor, stop_requested: bool) -> None:
-        self._tensor = torch.stack([loss_sum, torch.full_like(loss_sum, float(stop_requested))])
+    def __init__(
+        self, loss_sum: torch.Tensor, stop_requested: bool, extra: torch.Tensor | None = None
+    ) -> None:
+        flag = torch.full_like(loss_sum, float(stop_requested))
+        parts = [loss_sum[None], flag[None]] + ([] if extra is None else [extra.to(loss_sum)])
+        self._tensor = torch.cat(parts)  # extra: an moe model's router statistics
         self._work = (
             dist.all_reduce(self._tensor, op=dist.ReduceOp.SUM, async_op=True)
             if dist.is_initialized()
             else None
         )
 
-    def result(self) -> tuple[float, float]:
-        """(loss sum, stop votes) over all ranks; waits for the collective."""
+    def result(self) -> tuple[float, float, list[float]]:
+        """(loss sum, stop votes, extra) summed over all ranks; waits for the collective."""
         if self._work is not None:
             self._work.wait()
-        loss_sum, votes = self._tensor.tolist()
-        return loss_sum, votes
+        loss_sum, votes, *extra = self._tensor.tolist()
+        return loss_sum, votes, extra
 
 
 def step_targets(
@@ -200,6 +208,7 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
             _say(env, note)
     if cfg.lora is not None:  # targets that match nothing: a spec_error before any group
         _adapted(_on_meta(cfg), cfg)
+    layout(cfg, env.world_size, env.nodes)  # fsdp.replicate divides the world, or spec_error
     device = init_distributed(env)
     stop = StopFlag()
     stop.install()
@@ -224,6 +233,10 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
         except OSError:
             pass
         return ExitCode.DISK_FULL
+    except Superseded as exc:
+        # No exit.json: the run folder belongs to the newer attempt now (trainer.fence).
+        print(f"trainer: rank {env.rank}: {exc}", file=sys.stderr, flush=True)
+        return ExitCode.SUPERSEDED
     except (ConfigError, CheckpointError, DataError):
         raise  # known failures: trainer.__main__ reports them (spec_error)
     except Exception as exc:
@@ -235,6 +248,18 @@ def train(cfg: TrainConfig, run_dir: Path, data_dir: Path, env: TrainerEnv) -> i
         metrics.close()
         stop.restore()
         destroy_distributed()
+
+
+def _fence(env: TrainerEnv) -> Fence | None:
+    """The attempt's fence (trainer.fence) where a worker started the run; rank 0 asks it."""
+    if env.redis_url is None or env.job_id is None:
+        return None
+    client = None
+    if env.is_main:
+        import redis
+
+        client = redis.Redis.from_url(env.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    return Fence(client, Keys(env.redis_prefix).fence(env.job_id), env.attempt)
 
 
 def _run(
@@ -275,6 +300,7 @@ def _run(
             param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             cpu_offload=offload,
+            mesh=build_mesh(device, layout(cfg, world, env.nodes).mesh),  # 2-D: hsdp
         )
         seeded = _adapted(_seeded_model(cfg, run_dir), cfg) if env.is_main else None
         materialize_fsdp(gpt, device, seeded, cpu_offload=offload)
@@ -283,6 +309,7 @@ def _run(
         model = apply_ddp(gpt, device)
     torch.manual_seed(cfg.seed)  # every rank's generator in the same state, whoever drew
     strategy = cfg.strategy if env.distributed else "single"
+    mesh = layout(cfg, world, env.nodes) if env.distributed else None
     optimizer = build_optimizer(gpt, cfg.optim)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = (
@@ -298,6 +325,8 @@ def _run(
         _say(env, f"resumed from {ckpt} at step {progress.step}")
     else:
         _say(env, f"{n_params:,} parameters, {strategy} x{world}, {cfg.precision}, {device}")
+    if mesh is not None and mesh.strategy == "hsdp":
+        _say(env, f"layout: {mesh.describe()}")
     sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
     masked = train_data.masks is not None or train_data.packed
     if train_data.packed:
@@ -311,6 +340,7 @@ def _run(
     peak = peak_flops(device, cfg.precision)
     window = StepWindow(tokens_per_step, world, flops_per_token, peak, device)
     every = cfg.checkpoint.every
+    fence = _fence(env)
 
     def save(progress: Progress) -> None:
         metrics.flush()  # the metrics up to a checkpointed step are on the wire before it is
@@ -327,6 +357,7 @@ def _run(
             model_config=cfg.model.model_dump(),
             lora=cfg.lora.model_dump() if cfg.lora is not None else None,
             hf=cfg.checkpoint.hf == "every",
+            fence=fence,
         )
         if progress.step == cfg.steps:
             metrics.final_checkpoint(path, progress.step)
@@ -335,6 +366,11 @@ def _run(
 
             publish(path, train_data.folder)
 
+    # moe: the router's losses join each micro-batch's (a mean over micro-batches here, over
+    # the ranks by the gradient average). The experts' load is summed over the ranks before
+    # the backward (a small collective per micro-batch), so the load-balancing loss is the
+    # whole micro-batch's, as in one process; the statistics travel in the step's collective.
+    moe = gpt if isinstance(gpt, MoE) else None
     model.train()
     quiet_until = 0.0  # the next progress line to stdout, not before (metrics go every step)
     for step in range(progress.step, cfg.steps):
@@ -344,6 +380,7 @@ def _run(
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
+        router: torch.Tensor | None = None
         t_data = time.perf_counter()
         batches = [sampler.batch(step, micro) for micro in range(accum)]
         # world / targets: the step's loss is its target tokens' mean (module docstring)
@@ -356,10 +393,15 @@ def _run(
                 with autocast:
                     loss = token_loss_sum(model, x, y, *doc) * scale
                 loss_sum += loss.detach()
+                if moe is not None:  # the balance over the micro-batch of every rank
+                    counts = all_reduce_sum(moe.router_counts())
+                    loss = loss + moe.router_loss(counts) / accum
+                    stats = moe.router_metrics(counts)
+                    router = stats if router is None else router + stats
                 if last:  # the step's one collective travels while the last backward runs
-                    shared = Shared(loss_sum, stop.requested)
+                    shared = Shared(loss_sum, stop.requested, router)
                 scaler.scale(loss).backward()
-        loss_total, stop_votes = shared.result()
+        loss_total, stop_votes, router_sums = shared.result()
         loss_value, done = loss_total / world, step + 1
         if not math.isfinite(loss_value):
             return _fail_nan(env, run_dir, done, loss_value)
@@ -376,9 +418,11 @@ def _run(
         if val_sampler and (done % cfg.eval.every == 0 or done == cfg.steps):
             val_loss = evaluate(model, val_sampler, cfg.eval.steps, device, autocast, world)
         if done % cfg.log_every == 0 or done == cfg.steps or val_loss is not None:
+            extra = load_metrics(router_sums, moe.cfg.n_experts, accum * world) if moe else {}
             record = window.record(
-                done, cfg.steps, loss=loss_value, lr=lr, grad_norm=grad_norm, val_loss=val_loss
-            )
+                done, cfg.steps, loss=loss_value, lr=lr, grad_norm=grad_norm, val_loss=val_loss,
+                **extra,
+            )  # fmt: skip
             if val_loss is not None or done == cfg.steps or time.monotonic() >= quiet_until:
                 _say(env, format_line(record))
                 quiet_until = time.monotonic() + PRINT_EVERY_S

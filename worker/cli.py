@@ -12,7 +12,13 @@ from worker.settings import WorkerSettings
 __all__ = ["main", "run"]
 
 
-def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | None) -> None:
+def run(
+    queues: list[str],
+    slots: int,
+    gpus: list[int] | None,
+    hostname: str | None,
+    advertise_host: str | None = None,
+) -> None:
     """Run a Celery worker for ``queues`` with ``slots`` concurrent attempts until shut down.
 
     The pool is the app's (worker.pool): threads, as a task only waits on its torchrun.
@@ -29,6 +35,8 @@ def run(queues: list[str], slots: int, gpus: list[int] | None, hostname: str | N
     from worker.celery_app import app, configure
 
     settings = WorkerSettings()
+    if advertise_host:
+        settings = settings.model_copy(update={"advertise_host": advertise_host})
     ctx = WorkerContext(settings, queues=queues, slots=slots, gpus=gpus, name=hostname)
     if not re.fullmatch(WORKER_NAME_PATTERN, ctx.name):
         raise ValueError(
@@ -65,8 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=1)
     p.add_argument("--gpus", type=_ints, default=None, help="comma-separated GPU indices")
     p.add_argument("--hostname", default=None)
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the address other hosts reach this one at (default: TRAINQ_ADVERTISE_HOST, else"
+        " the address of the interface that reaches the broker)",
+    )
     a = p.parse_args(argv)
     try:
-        run(a.queues.split(","), a.slots, a.gpus, a.hostname)
+        run(a.queues.split(","), a.slots, a.gpus, a.hostname, a.advertise_host)
     except ValueError as exc:
         p.error(str(exc))

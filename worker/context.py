@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.events import Keys
+from worker.address import Advertised, advertise
 from worker.settings import WorkerSettings
 
 __all__ = ["Slot", "WorkerContext", "split_gpus"]
@@ -66,6 +67,15 @@ class WorkerContext:
         self._running: dict[tuple[str, int, int], threading.Event] = {}
         self._on_change: list[Callable[[], None]] = []
         self._redis: Any = None
+        self._advertised: Advertised | None = None
+
+    @property
+    def advertised(self) -> Advertised:
+        """The address other nodes reach this host at, and its interface (worker.address);
+        found once, when a multi-node attempt first needs it."""
+        if self._advertised is None:
+            self._advertised = advertise(self.settings.broker_url, self.settings.advertise_host)
+        return self._advertised
 
     @property
     def redis(self) -> Any:

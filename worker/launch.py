@@ -202,6 +202,7 @@ def build_env(
     job_id: str,
     attempt: int,
     threads: int,
+    ifname: str | None = None,
     trackers: Sequence[str] = (),
     tracking_allow_private: bool = False,
     secrets: Mapping[str, str] | None = None,
@@ -210,6 +211,8 @@ def build_env(
 
     ``gpus=None`` (a CPU slot) hides every GPU rather than exposing all of them. ``threads``
     is OMP_NUM_THREADS (`omp_threads`) unless the worker's own environment sets it.
+    ``ifname``: the interface of the address the worker advertises (worker.address), given
+    to gloo and NCCL as their socket interface unless the worker's environment names one.
     ``trackers``: the trackers the spec names (``ENV_TRACKING``'s keys), whose credentials
     the run gets from the worker's environment, or from ``secrets`` (``owner_secrets``).
     """
@@ -217,6 +220,8 @@ def build_env(
     # restarted by --max-restarts can read stale peer addresses and fail to connect
     # (pytorch/pytorch#135712); a fresh store per round avoids it. The parent may override.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": str(threads)}
+    if ifname:
+        env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
     env.update({k: parent[k] for k in (*ENV_PASSTHROUGH, *ENV_LIBRARY) if k in parent})
     for tracker in trackers:
         env.update({k: parent[k] for k in ENV_TRACKING[tracker] if k in parent})
@@ -232,8 +237,10 @@ def build_env(
             # worker's setting TRAINQ_RANK_REDIS_URL (the worker itself needs far more)
             # naming a Redis ACL user that may only XADD to the trainq streams:
             #   ACL SETUSER trainq-rank on >PASSWORD resetkeys ~trainq:events
-            #       ~trainq:job:* resetchannels -@all +xadd +multi +exec +select
-            # (the trainer's Publisher needs nothing else: one MULTI of XADDs per batch).
+            #       ~trainq:job:* ~trainq:fence:* resetchannels -@all +xadd +multi +exec
+            #       +select +eval +hget +hset
+            # (the trainer's Publisher: one MULTI of XADDs per batch; rank 0's fence check
+            # before a checkpoint, trainer.fence: one EVAL on the job's fence key).
             "TRAINQ_REDIS_URL": redis_url,
             "TRAINQ_REDIS_PREFIX": redis_prefix,
             "TRAINQ_JOB_ID": job_id,

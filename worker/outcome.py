@@ -33,6 +33,8 @@ _CODE_REASON = {
     ExitCode.SPEC_ERROR: "spec_error",
     ExitCode.DATA_ERROR: "spec_error",
     ExitCode.DISK_FULL: "disk_full",
+    # The service already counts such an attempt lost; its exit event changes nothing.
+    ExitCode.SUPERSEDED: "lost",
 }
 # torchrun: "failed (exitcode: 75) local_rank: 1 ..." and the summary "exitcode  : 75 (pid: ..)"
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -137,7 +139,10 @@ def classify(
     if failed is not None and failed[0] in _CODE_REASON:
         rc, rank = failed
         who = f"rank {rank}" if rank is not None else "a rank"
-        return Outcome(code, _CODE_REASON[ExitCode(rc)], f"{who} exited with {_describe(rc)}")
+        text = f"{who} exited with {_describe(rc)}"
+        if rc == ExitCode.SUPERSEDED:  # no exit.json (trainer.fence): the rank's own line
+            text = next((ln for ln in tail if "SUPERSEDED" in ln), text)
+        return Outcome(code, _CODE_REASON[ExitCode(rc)], text)
     if crash is not None and (failed is None or not _killed(failed[0])):
         return Outcome(code, "exit_code", crash)
     if failed is not None:

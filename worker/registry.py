@@ -80,6 +80,7 @@ class Registry:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._changed = True  # a change to announce on the admitter's channel
+        self._unreachable = False  # Redis did not answer the last update
         ctx.on_change(self._change)
         self.gpu_memory = gpu_memory_bytes(ctx.gpus)  # asked once: it does not change
 
@@ -119,10 +120,24 @@ class Registry:
                 pipe.execute()
             else:
                 self.ctx.redis.hset(keys.workers, self.ctx.name, json.dumps(self.entry()))
-            return True
         except Exception as exc:
-            log.warning("worker registry update failed: %s", exc)
+            # Its entry goes stale and the service counts it gone; its attempts' heartbeats
+            # expire with it (worker.watchers), and the broker, behind the same network,
+            # hands it nothing. Said once per outage, not every interval.
+            self._changed = True
+            if not self._unreachable:
+                self._unreachable = True
+                log.error(
+                    "worker %s cannot reach Redis (%s): it takes no work and leaves the"
+                    " registry until Redis answers again",
+                    self.ctx.name,
+                    exc,
+                )
             return False
+        if self._unreachable:
+            self._unreachable = False
+            log.warning("worker %s reaches Redis again: back in the registry", self.ctx.name)
+        return True
 
     def start(self) -> None:
         if self._thread is not None:

@@ -56,7 +56,8 @@ class WorkerSettings(BaseSettings):
     tracking_secrets: Path | None = None
     # Multi-node: how long a node waits for the rest of its gang before the attempt fails
     # (no_worker), and the address other hosts reach this one at (node 0 hosts the
-    # rendezvous store); default: the host name.
+    # rendezvous store); default: the address of the interface that reaches the broker
+    # (worker.address), whose interface gloo/NCCL are told to use too.
     gang_timeout_s: float = Field(120.0, gt=0)
     advertise_host: str | None = None
     # Generation (worker.generate): its own threads beside the training slots; loaded

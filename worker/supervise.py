@@ -32,6 +32,7 @@ from typing import Any
 
 from trainer.config import ConfigError, frozen_data_path
 from trainer.events import NODE_SEQ_SHIFT, Publisher, worker_source
+from trainer.fence import raise_fence
 from trainer.files import FILE_MODE, UMASK, fix_tree, make_dirs, set_mode
 from worker.context import Slot, WorkerContext
 from worker.gang import Gang, free_port
@@ -50,7 +51,7 @@ from worker.outcome import Outcome, classify, read_exit_json, stop_line
 from worker.procs import kill_group, signal_group, wait_group_gone
 from worker.watchers import CancelWatch, Heartbeat
 
-__all__ = ["run_attempt", "write_run_config"]
+__all__ = ["has_checkpoint", "run_attempt", "write_run_config"]
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +94,25 @@ def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
         prefix=s.redis_prefix,
         seq_start=node << NODE_SEQ_SHIFT,
     )
-    hb = Heartbeat(
-        ctx.redis, ctx.keys.heartbeat(msg.job_id, msg.attempt, node), ctx.name, s.heartbeat_ttl_s
-    )
     wake = threading.Event()
+
+    def superseded() -> bool:
+        newest = ctx.redis.hget(ctx.keys.fence(msg.job_id), "attempt")
+        return newest is not None and int(newest) > msg.attempt
+
+    hb = Heartbeat(
+        ctx.redis,
+        ctx.keys.heartbeat(msg.job_id, msg.attempt, node),
+        ctx.name,
+        s.heartbeat_ttl_s,
+        superseded=superseded,
+        on_lost=wake.set,
+    )
     ctx.track(msg.job_id, msg.attempt, wake, node)
     try:
         with ctx.slot() as slot:
             try:
-                outcome = _Attempt(msg, ctx, pub, slot, wake).run()
+                outcome = _Attempt(msg, ctx, pub, slot, wake, hb).run()
             except Exception as exc:  # our own fault, not the run's: the service retries
                 log.exception("attempt %s failed in the worker", label)
                 outcome = Outcome(None, "lost", f"worker {ctx.name} failed: {exc}")
@@ -122,6 +133,15 @@ def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
         ctx.untrack(msg.job_id, msg.attempt, node)
     log.info("attempt %s exited: %s", label, outcome)
     return outcome
+
+
+def has_checkpoint(run_dir: Path, step: int) -> bool:
+    """A complete checkpoint (trainer.checkpoint's step-N/DONE) of step ``step`` or later."""
+    for done in (run_dir / "checkpoints").glob("step-*/DONE"):
+        n = done.parent.name.removeprefix("step-")
+        if n.isdigit() and int(n) >= step:
+            return True
+    return False
 
 
 def write_run_config(run_dir: Path, train: dict[str, Any]) -> None:
@@ -148,8 +168,10 @@ class _Attempt:
         pub: Publisher,
         slot: Slot,
         wake: threading.Event,
+        hb: Heartbeat,
     ) -> None:
         self.msg, self.ctx, self.pub, self.slot, self.wake = msg, ctx, pub, slot, wake
+        self.hb = hb
         self.s = ctx.settings
         self.multi = msg.nodes > 1
         self.gang = Gang(
@@ -227,6 +249,9 @@ class _Attempt:
             return early
         if not safe_job_id(msg.job_id):
             return Outcome(None, "spec_error", f"job id {msg.job_id!r} cannot name a run folder")
+        early = self._fence()
+        if early is not None:
+            return early
         gpus = self.slot.gpus
         if gpus is not None and msg.procs_per_node > len(gpus):
             return Outcome(
@@ -248,6 +273,30 @@ class _Attempt:
             )
         return None
 
+    def _fence(self) -> Outcome | None:
+        """Raise the job's fence to this attempt (trainer.fence); a reason not to start if a
+        newer attempt holds it, or if the checkpoint the last attempt published is not in
+        this worker's runs root (a root not shared between hosts: starting would silently
+        train again from step 0)."""
+        msg, ctx, s = self.msg, self.ctx, self.s
+        try:
+            newest, step = raise_fence(ctx.redis, ctx.keys.fence(msg.job_id), msg.attempt)
+        except Exception as exc:  # Redis away: the ranks' own check still guards
+            log.warning("fence of %s not raised: %s", _label(msg), exc)
+            return None
+        if newest > msg.attempt:
+            return Outcome(None, "lost", f"attempt {msg.attempt} superseded by attempt {newest}")
+        if step and not has_checkpoint(s.runs_root / msg.job_id, step):
+            return Outcome(
+                None,
+                "lost",
+                f"worker {ctx.name} cannot see checkpoint step {step} of this job (published by"
+                f" an earlier attempt) under its runs root {s.runs_root}: the runs root must be"
+                " one folder shared by every worker host; not started, so as not to train again"
+                " from step 0",
+            )
+        return None
+
     def _leave_gang(self, outcome: Outcome) -> None:
         """A node that will not launch closes its gang, so the others give up at once."""
         if not self.multi:
@@ -266,7 +315,7 @@ class _Attempt:
         msg, ctx, s = self.msg, self.ctx, self.s
         endpoint = None
         if msg.node_rank == 0:
-            endpoint = f"{s.advertise_host or ctx.host}:{free_port()}"
+            endpoint = f"{ctx.advertised.host}:{free_port()}"
         if self.gang.join(endpoint):
             log.info("attempt %s joined its gang of %d", _label(msg), msg.nodes)
             state = self.gang.wait(
@@ -314,6 +363,7 @@ class _Attempt:
             job_id=msg.job_id,
             attempt=msg.attempt,
             threads=omp_threads(len(os.sched_getaffinity(0)), ctx.slot_count, msg.procs_per_node),
+            ifname=ctx.advertised.ifname if self.multi else None,
             trackers=trackers_of(msg.train),
             tracking_allow_private=s.tracking_allow_private,
             secrets=owner_secrets(s.tracking_secrets, msg.owner, trackers_of(msg.train)),
@@ -410,6 +460,12 @@ class _Attempt:
             self.wake.clear()
             if exited.is_set():
                 break
+            if self.hb.lost.is_set():
+                return "lost", (
+                    f"worker {ctx.name} could not reach Redis for {self.hb.outage_s:.0f} s:"
+                    " its heartbeat expired and the service ran the job again elsewhere"
+                    " meanwhile; this node of the old attempt was stopped"
+                )
             if ctx.preempt.is_set():
                 return "preempted", (
                     f"worker {ctx.name} shut down; the run was stopped "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -16,13 +18,35 @@ __all__ = ["CancelWatch", "Heartbeat"]
 
 
 class Heartbeat:
-    """SETs the attempt's heartbeat key with a TTL, refreshed every ttl/3."""
+    """SETs the attempt's heartbeat key with a TTL, refreshed every ttl/3.
 
-    def __init__(self, client: Any, key: str, value: str, ttl_s: float) -> None:
+    After Redis was out of reach for longer than the TTL, the key has expired and the
+    service may have called the attempt lost and started the next one elsewhere, or not (an
+    outage of Redis for everyone: nobody saw the key go). Which one, only Redis can say, so
+    the first beat that gets through again asks ``superseded()`` (worker.supervise reads the
+    job's fence, trainer.fence); if it was, ``lost`` is set and ``on_lost`` called, and the
+    worker stops its half of a run that is no longer the job's.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        key: str,
+        value: str,
+        ttl_s: float,
+        *,
+        superseded: Callable[[], bool] | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         self._client, self._key, self._value = client, key, value
+        self._ttl_s = ttl_s
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._every = ttl_s / 3
         self._stop = threading.Event()
+        self._superseded, self._on_lost = superseded, on_lost
+        self.lost = threading.Event()
+        self.outage_s = 0.0  # how long the last outage of Redis lasted, as this beat saw it
+        self._last_ok = time.monotonic()
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"hb-{key}", daemon=True)
         self._thread.start()
@@ -30,10 +54,24 @@ class Heartbeat:
     def beat(self) -> bool:
         try:
             self._client.set(self._key, self._value, px=self._ttl_ms)
-            return True
         except Exception as exc:  # redis.ConnectionError, TimeoutError: next round retries
             log.warning("heartbeat %s failed: %s", self._key, exc)
             return False
+        now = time.monotonic()
+        gone, self._last_ok = now - self._last_ok, now
+        if gone > self._ttl_s and self._superseded is not None and not self.lost.is_set():
+            self.outage_s = gone
+            try:
+                superseded = self._superseded()
+            except Exception as exc:  # gone again: the next beat that gets through asks
+                log.warning("heartbeat %s: %s", self._key, exc)
+                self._last_ok = now - gone
+                return True
+            if superseded:
+                self.lost.set()
+                if self._on_lost is not None:
+                    self._on_lost()
+        return True
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):

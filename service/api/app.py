@@ -61,6 +61,8 @@ from service.api.scheduling.retention import Retention
 from service.api.streams import router as streams
 from service.api.streams.ingest import Ingestor
 from service.api.streams.sse import StreamHub
+from service.api.sweeps import router as sweeps
+from service.api.sweeps.sweeper import Sweeper
 from service.api.webhooks import router as webhook_routes
 from service.api.webhooks.delivery import Deliverer
 from trainer.events import Keys
@@ -381,6 +383,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings, services.sessions, services.redis, services.dispatcher
             )
             threads.append(threading.Thread(target=reconciler.run, args=(stop,), name="reconcile"))
+        if settings.reconcile:  # proposes and prunes the sweeps' trials (service.api.sweeps)
+            sweeper = Sweeper(settings, services.sessions, services.redis, services.dispatcher)
+            threads.append(threading.Thread(target=sweeper.run, args=(stop,), name="sweeps"))
         if settings.reconcile and settings.retention_days > 0:
             retention = Retention(settings, services.sessions, services.redis)
             threads.append(threading.Thread(target=retention.run, args=(stop,), name="retention"))
@@ -433,6 +438,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(workers.router)
     app.include_router(checkpoint_routes.router)
     app.include_router(dataset_routes.router)
+    app.include_router(sweeps.router)
     app.include_router(generate.router)
     app.include_router(event_routes.router)
     app.include_router(webhook_routes.router)

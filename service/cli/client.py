@@ -220,6 +220,18 @@ class Client:
         )
         return job
 
+    def submit_sweep(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/sweeps; the new sweep."""
+        found: dict[str, Any] = self._json("POST", "/v1/sweeps", "sweep", json=body)
+        return found
+
+    def sweep(self, sweep_id: str, *, cancel: bool = False) -> dict[str, Any]:
+        """GET /v1/sweeps/{id}, or with ``cancel`` POST its cancel; the sweep and its trials."""
+        path = f"/v1/sweeps/{quote(sweep_id, safe='')}"
+        if cancel:
+            return dict(self._json("POST", f"{path}/cancel", f"sweep {sweep_id}"))
+        return dict(self._json("GET", path, f"sweep {sweep_id}"))
+
     def plan(self, spec: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs?dry_run=true: the spec validated as a submit is, and its plan
         (parameters, tokens per step, memory per device, fits); nothing is stored or sent."""

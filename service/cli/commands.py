@@ -183,6 +183,11 @@ def register(app: typer.Typer) -> None:
     from service.cli.datasets import register as register_datasets  # upload, list, show, rm
 
     register_datasets(data_app)
+    sweep_app = typer.Typer(help="Sweeps: searches over a spec's fields.", no_args_is_help=True)
+    app.add_typer(sweep_app, name="sweep")
+    from service.cli.sweeps import register as register_sweeps  # submit, status, cancel
+
+    register_sweeps(sweep_app)
 
     @app.command("submit", epilog=EXIT_CODES_HELP)
     @cli_errors

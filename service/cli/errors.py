@@ -63,7 +63,7 @@ EXIT_UNREACHABLE = 5  # the service cannot be reached, or answers 5xx/503
 EXIT_REJECTED = 6  # the API refused the request: 400, 401, 403, 404, 409, 413, 422
 EXIT_INTERRUPTED = 130  # Ctrl-C while waiting (128 + SIGINT, as a shell reports it)
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "stopped_early"})
 
 
 class ClientError(Exception):
@@ -128,7 +128,7 @@ def exit_code_for(status: str | None, reason: str | None) -> int:
     """The exit code for a job that ended with ``status`` and ``reason``."""
     if status == "succeeded":
         return EXIT_OK
-    if status == "cancelled":
+    if status in ("cancelled", "stopped_early"):
         return EXIT_CANCELLED
     if reason == "timeout":
         return EXIT_TIMEOUT

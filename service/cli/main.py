@@ -258,6 +258,13 @@ def worker(
     slots: Annotated[int, typer.Option(help="attempts run at once")] = 1,
     gpus: Annotated[str | None, typer.Option(help="comma-separated GPU indices")] = None,
     hostname: Annotated[str | None, typer.Option(help="worker name (default: the host's)")] = None,
+    advertise_host: Annotated[
+        str | None,
+        typer.Option(
+            help="address other hosts reach this one at (default: TRAINQ_ADVERTISE_HOST, else"
+            " the address of the interface that reaches the broker)"
+        ),
+    ] = None,
 ) -> None:
     """Run a Celery worker on this host (the worker package; no database access)."""
     from worker.cli import run  # type: ignore[import-not-found,unused-ignore]
@@ -268,7 +275,13 @@ def worker(
     except ValueError as exc:
         raise typer.BadParameter("GPU indices are integers, e.g. 0,1", param_hint="--gpus") from exc
     try:
-        run(queues=queue_list, slots=slots, gpus=gpu_list, hostname=hostname)
+        run(
+            queues=queue_list,
+            slots=slots,
+            gpus=gpu_list,
+            hostname=hostname,
+            advertise_host=advertise_host,
+        )
     except ValueError as exc:  # empty queues, GPUs that do not divide across slots
         typer.echo(f"trainq worker: error: {exc}", err=True)
         raise typer.Exit(2) from exc

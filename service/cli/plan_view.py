@@ -1,4 +1,5 @@
-"""``trainq plan``'s text: the dry run's parameters, tokens, memory per device by term, fits.
+"""``trainq plan``'s text: the dry run's parameters, tokens, memory per device by term, the
+data-parallel layout, fits.
 
 Only typer-free formatting over the API's JSON (``PlanOut``); every server string goes
 through ``clean`` (``table`` cleans its cells)."""
@@ -33,7 +34,12 @@ def plan_text(out: dict[str, Any]) -> str:
     params = out.get("parameters") or {}
     head = [
         f"model:     {out.get('family')}, {_count(params.get('total'))} parameters"
-        f" ({_count(params.get('trainable'))} trainable)",
+        f" ({_count(params.get('trainable'))} trainable"
+        + (
+            f", {_count(params.get('active'))} active per token)"
+            if params.get("active") != params.get("total")
+            else ")"
+        ),
         f"per step:  {_count(out.get('tokens_per_step'))} tokens"
         f" on {out.get('world_size')} rank(s)",
     ]
@@ -52,6 +58,8 @@ def plan_text(out: dict[str, Any]) -> str:
         lines += ["", table(rows, header), ""]  # table cleans every cell
     verdict = out.get("fits")
     fits = "yes" if verdict is True else "NO" if verdict is False else "unknown"
-    tail = [f"fits:      {fits}: {out.get('fits_reason')}"]
+    mesh = out.get("layout")
+    tail = [f"layout:    {mesh.get('describe')}"] if isinstance(mesh, dict) else []
+    tail += [f"fits:      {fits}: {out.get('fits_reason')}"]
     tail += [f"note:      {note}" for note in out.get("notes") or []]
     return "\n".join([*lines, *(clean(line) for line in tail)])

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from service.api.core.models import LOGS, METRICS
 from tests.api.support import Api, WorkerSim
-from trainer.events import Keys, Publisher
+from trainer.events import Event, Keys, Publisher
 
 
 def _counts(api: Api, job_id: str) -> tuple[int, int]:
@@ -237,3 +237,30 @@ def test_logs_tail_rank_filter_and_caps(api: Api, sim: Callable[..., WorkerSim])
     )
     rank0 = api.client.get(url, params={"rank": 0}, headers=api.headers()).text.splitlines()
     assert rank0 == ["[a1 rank 0] r0 a", "[a1 rank 0] r0 b"]
+
+
+def test_events_a_lost_attempt_sends_after_it_was_called_lost_are_dropped(
+    api: Api, sim: Callable[..., WorkerSim]
+) -> None:
+    """A host cut off but alive comes back and sends what its ranks did meanwhile: the
+    service had called that attempt lost and started the next, so it is not stored."""
+    job = api.submit(retries=1)
+    old = sim(job["id"], 1)
+    old.claim()
+    old.running()
+    old.metric(1)
+    api.drain()
+    old.stop_heartbeat()  # the link went down
+    assert api.reconciler().run_once() == {"sent": 0, "lost": 1}
+    assert api.get(job["id"])["attempt"] == 2
+    # What it buffered before the loss still lands; what it did after does not.
+    old.send(Event("metric", job["id"], 1, "trainer", 90, {"step": 2, "loss": 1.0}, ts=0.0))
+    ingestor = api.ingestor()
+    old.metric(3)
+    old.log((0, "still training after the cut"))
+    api.drain(ingestor)
+    assert ingestor.dropped == 2
+    points = api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=api.headers()).json()
+    assert [(p["attempt"], p["step"]) for p in points["points"]] == [(1, 1), (1, 2)]
+    logs = api.client.get(f"/v1/jobs/{job['id']}/logs", headers=api.headers())
+    assert "still training" not in logs.text

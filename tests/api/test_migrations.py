@@ -37,10 +37,14 @@ def _tables(url: str) -> set[str]:
 
 def _round_trip(url: str) -> None:
     migrate.upgrade(url)
-    assert migrate.current(url) == "0010"
+    assert migrate.current(url) == "0011"
     assert _tables(url) == set(Base.metadata.tables)
-    migrate.downgrade(url, "0009")  # 0010 alone: owner_limits.tracking
+    migrate.downgrade(url, "0010")  # 0011 alone: owner_limits.tracking
     assert migrate.drift(url) != []
+    migrate.upgrade(url)
+    assert migrate.drift(url) == []
+    migrate.downgrade(url, "0009")  # 0010 alone: the sweeps table, jobs.sweep and params
+    assert "sweeps" not in _tables(url) and migrate.drift(url) != []
     migrate.upgrade(url)
     assert migrate.drift(url) == []
     migrate.downgrade(url, "0008")  # 0009 alone: the events outbox and the webhooks

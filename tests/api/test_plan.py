@@ -62,7 +62,7 @@ def test_dry_run_answers_the_plan_and_stores_and_sends_nothing(api: Api) -> None
     # the blocks the token and position embeddings and ln_f (the head is tied).
     d = 32
     total = 2 * (12 * d * d + 13 * d) + 256 * d + 32 * d + 2 * d
-    assert out["parameters"] == {"total": total, "trainable": total}
+    assert out["parameters"] == {"total": total, "trainable": total, "active": total}
     assert out["family"] == "gpt" and out["world_size"] == 4
     assert out["tokens_per_step"] == 4 * 3 * 32 * 4
     device = out["memory"]["device"]
@@ -96,6 +96,7 @@ BAD = [
     {"train": {"precision": "fp16", "strategy": "fsdp"}},
     {"train": {"init": {"job": "ab12"}}},  # no such job of the caller's
     {"procs_per_node": 1000, "train": {}},
+    {"nodes": 2, "train": {"strategy": "fsdp", "fsdp": {"replicate": 3}}},  # 3 of 2 ranks
     [1, 2],
 ]
 
@@ -180,7 +181,11 @@ def test_lora_trains_only_the_adapters(api: Api) -> None:
     # gpt's default targets, the attention projections: qkv (d -> 3d) and proj (d -> d).
     gpt = _plan(api, _body(api, lora={"rank": rank}))
     adapters = 2 * (rank * (d + 3 * d) + rank * (d + d))
-    assert gpt["parameters"] == {"total": full + adapters, "trainable": adapters}
+    assert gpt["parameters"] == {
+        "total": full + adapters,
+        "trainable": adapters,
+        "active": full + adapters,
+    }
     plain = _plan(api, _body(api))["memory"]["device"]
     lora = gpt["memory"]["device"]
     assert lora["optimizer"] == 8 * adapters < plain["optimizer"]
@@ -241,7 +246,8 @@ def test_hf_reads_config_json_under_the_data_root(api: Api, data_root: Path) -> 
 
     model["path"] = f"{folder}-missing"
     out = _plan(api, {"queue": api.queue, "train": {"model": model}})
-    assert out["parameters"] == {"total": None, "trainable": None} and out["memory"] is None
+    assert out["parameters"] == {"total": None, "trainable": None, "active": None}
+    assert out["memory"] is None
     assert out["fits"] is None and "config.json" in out["notes"][0]
 
 
@@ -281,3 +287,21 @@ def test_a_run_that_cannot_fit_its_bound_is_refused_naming_keep_and_the_setting(
     assert _my_jobs(api) == [] and _broker_len(api) == 0
     ok = api.client.post("/v1/jobs", json=small, headers=api.headers())
     assert ok.status_code == 201, ok.text
+
+
+def test_hsdp_replicate_is_checked_and_shards_within_a_node(api: Api) -> None:
+    body = {**_body(api, strategy="fsdp", fsdp={"replicate": 3}), "nodes": 2, "procs_per_node": 2}
+    resp = api.client.post("/v1/jobs", json=body, headers=api.headers())
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"][0]
+    assert detail["loc"] == ["body", "train", "fsdp", "replicate"]
+    assert "must divide the world size (4" in detail["msg"]
+
+    body["train"]["fsdp"] = {"replicate": "auto"}  # 2 nodes: one replica per node
+    out = _plan(api, body)
+    assert {k: out["layout"][k] for k in ("strategy", "replicate", "shard")} == {
+        "strategy": "hsdp",
+        "replicate": 2,
+        "shard": 2,
+    }
+    assert _my_jobs(api) == []

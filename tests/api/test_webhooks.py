@@ -289,6 +289,11 @@ def test_failing_endpoint_is_disabled_then_reenabled_and_redelivered(
     _wait(lambda: len(receiver.received) == 1, 20, "the pending delivery after re-enabling")
     assert receiver.received[0]["data"]["job_id"] == job_id
 
+    def delivered() -> bool:  # the receiver has it before the deliverer records the 2xx
+        items = api.client.get(f"{url}/deliveries", headers=api.headers()).json()["items"]
+        return bool(items[0]["status"] == "delivered")
+
+    _wait(delivered, 20, "the delivery recorded as delivered")
     again = api.client.post(f"{url}/deliveries/{pending['id']}/redeliver", headers=api.headers())
     assert again.status_code == 202 and again.json()["status"] == "pending"
     _wait(lambda: len(receiver.received) == 2, 20, "the redelivery")

@@ -137,3 +137,47 @@ def test_dockerfile_is_slim_non_root_and_takes_a_torch_index() -> None:
 def test_the_check_refuses_what_trainq_would(argv: list[str]) -> None:
     with pytest.raises((AssertionError, _click_exception())):
         parse_trainq(argv)
+
+
+def test_the_worker_host_compose_file_runs_a_gpu_worker_on_the_host_network() -> None:
+    """docker-compose.worker.yml: one worker per GPU host, no database, the NVIDIA runtime,
+    host networking (other hosts reach its rendezvous and collectives), shared storage."""
+    services = yaml.safe_load((REPO / "docker-compose.worker.yml").read_text())["services"]
+    assert set(services) == {"worker"}
+    worker = services["worker"]
+    assert parse_trainq(_argv(worker["command"])) == ["worker"]
+    assert worker["runtime"] == "nvidia" and worker["network_mode"] == "host"
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    env = worker["environment"]
+    assert not any("DATABASE" in k for k in env), "workers hold no DB credentials"
+    assert {"TRAINQ_REDIS_URL", "TRAINQ_BROKER_URL", "TRAINQ_ADVERTISE_HOST"} <= set(env)
+    assert {v.split(":")[-1] for v in worker["volumes"]} == {"/data", "/runs"}
+    assert (env["TRAINQ_DATA_ROOT"], env["TRAINQ_RUNS_ROOT"]) == ("/data", "/runs")
+    compile(worker["healthcheck"]["test"][3], "worker-healthcheck", "exec")
+
+
+def test_docker_compose_accepts_the_worker_host_file() -> None:
+    import os
+    import shutil
+    import subprocess
+
+    docker = shutil.which("docker")
+    ok = docker is not None and (
+        subprocess.run(
+            [docker, "compose", "version"], capture_output=True, timeout=30, check=False
+        ).returncode
+        == 0
+    )
+    if not ok:
+        pytest.skip("docker compose is not installed here")
+    assert docker is not None
+    done = subprocess.run(
+        [docker, "compose", "-f", str(REPO / "docker-compose.worker.yml"), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "TRAINQ_CENTRAL": "10.0.0.5"},
+    )
+    assert done.returncode == 0, done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from types import UnionType
@@ -16,7 +17,8 @@ from service.local.demo import demo_spec
 from trainer.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SWEEPS = [REPO / "examples" / "sweep.yaml"]  # sweeps, not job specs: test_sweep_example
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p not in SWEEPS)
 
 
 def nested_models(ann: Any) -> list[tuple[str | None, type[BaseModel]]]:
@@ -55,6 +57,17 @@ def test_there_are_examples() -> None:
 def test_example_validates_as_a_job_spec(path: Path) -> None:
     spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
     assert spec.name and spec.train.steps >= 1
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_sweep_example_validates_as_a_sweep(path: Path) -> None:
+    from service.api.sweeps.schemas import SweepIn
+    from service.api.sweeps.space import check_space
+
+    sweep = SweepIn.model_validate(yaml.safe_load(path.read_text()))
+    base = JobSpec.model_validate(sweep.base).model_dump(mode="json")
+    check_space(base, dict(sweep.space))  # every path a spec field, every value a valid spec
+    assert sweep.budget >= sweep.parallelism
 
 
 def test_the_demo_job_is_a_valid_spec_of_the_tiny_ddp_shape() -> None:
@@ -135,3 +148,28 @@ def test_readme_spec_reference_defaults_and_bounds_match_the_models() -> None:
                     assert f"{value:,}".replace(",", "_") in kind or str(value) in kind, (
                         f"{path}: README's {kind!r} lacks the bound {bound} {value}"
                     )
+
+
+def test_the_shipped_chat_data_is_what_its_script_writes_and_uploads_clean(
+    tmp_path: Path,
+) -> None:
+    """examples/chat/chats.jsonl (README's walkthrough) is make_chats.py's output, each line
+    passes the upload's checks, and finetune-chat.yaml trains on it packed."""
+    import runpy
+
+    from trainer.sft_lines import check_line
+
+    chats = REPO / "examples" / "chat" / "chats.jsonl"
+    script = runpy.run_path(str(REPO / "examples" / "chat" / "make_chats.py"))
+    assert chats.read_text(encoding="utf-8") == "\n".join(script["lines"]()) + "\n"
+    lines = chats.read_bytes().splitlines()
+    assert 200 <= len(lines) <= 1000
+    for raw in lines:
+        assert check_line("chat", raw) is not None  # LineError on a line the upload would refuse
+    weights = [m for line in lines for m in json.loads(line)["messages"] if "weight" in m]
+    assert weights and all(m["role"] == "assistant" and m["weight"] == 0 for m in weights)
+    spec = JobSpec.model_validate(
+        yaml.safe_load((REPO / "examples/finetune-chat.yaml").read_text())
+    )
+    assert spec.train.data.dataset == "chats" and spec.train.data.packing
+    assert spec.train.lora is not None and spec.train.model.family == "hf"

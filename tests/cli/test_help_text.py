@@ -13,7 +13,7 @@ import typer
 from service.cli.main import app
 from tests.cli.conftest import trainq_argv
 
-GROUPS = ("data", "db", "token")
+GROUPS = ("data", "db", "sweep", "token")
 
 
 def _commands() -> dict[str, Any]:

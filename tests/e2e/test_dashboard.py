@@ -8,6 +8,7 @@ chart stays bounded. With auth on, a token is entered once and kept.
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 from pathlib import Path
@@ -300,14 +301,21 @@ def test_auth_on_token_entered_once(dash_browser: Any, dash_system: System, pg_u
 
 
 def test_datasets_checkpoints_and_generate_box(api: Api, worker: object, browser_page: Any) -> None:
-    """The #15 views in the browser: an uploaded dataset listed as ready, a finished job's
-    checkpoints table with its download links, and the generate box streaming the same
-    greedy text the API answers without streaming."""
+    """The #15 views in the browser: an uploaded dataset listed as ready (a chat dataset with
+    its report, #24), a finished job's checkpoints table with its download links, and the
+    generate box streaming the same greedy text the API answers without streaming."""
     page = browser_page
     corpus = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
     with api.client() as client:
         up = client.post("/v1/datasets", params={"name": "dash-fox"}, content=corpus)
         assert up.status_code in (201, 202), up.text
+        chats = "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": f"{i} plus 1?"},
+                                     {"role": "assistant", "content": f"{i + 1}."}]})
+            for i in range(30)
+        ).encode()  # fmt: skip
+        params = {"name": "dash-chats", "format": "chat"}
+        assert client.post("/v1/datasets", params=params, content=chats).status_code == 202
         wait_for(
             lambda: client.get("/v1/datasets/dash-fox").json()["status"] == "ready",
             60,
@@ -328,6 +336,15 @@ def test_datasets_checkpoints_and_generate_box(api: Api, worker: object, browser
     row = page.locator('tr[data-dataset="dash-fox"]')
     row.wait_for()
     assert "ready" in row.inner_text()
+    # A chat dataset's report under its name: what `trainq data upload --wait` prints.
+    with api.client() as client:
+        report = client.get("/v1/datasets/dash-chats").json()["report"]
+    shown = page.locator('tr[data-dataset="dash-chats"] .sft-report')
+    shown.wait_for()
+    text = shown.inner_text()
+    assert text.startswith("30 examples") and f"longest {report['longest']}" in text
+    assert f"{100 * report['loss_share']:.1f}% of" in text and "dropped: none" in text
+    assert f"packed {100 * report['packing_efficiency']:.1f}%" in text
 
     page.goto(f"/#/jobs/{job_id}")
     page.locator('.checkpoints tr[data-step="6"]').wait_for()

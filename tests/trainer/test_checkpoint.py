@@ -94,11 +94,30 @@ def test_round_trip_restores_model_optimizer_and_rng(tmp_path: Path) -> None:
     assert meta["strategy"] == "single" and meta["tokens_seen"] == 700
 
 
-def test_refuses_a_checkpoint_of_another_strategy_or_model(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save alone
+def test_a_sharded_checkpoint_resumes_whole(tmp_path: Path) -> None:
+    """A DCP checkpoint (how FSDP and HSDP save; here written by one process) resumes a
+    model that is not sharded, optimizer state included: a strategy is no part of what a
+    checkpoint holds (tests/trainer/test_hsdp.py resumes across them under torchrun)."""
+    model, opt = _trained(0)
+    path = save_checkpoint(tmp_path, Progress(3, 300), model, opt, None, strategy="fsdp",
+                           rank=0, world_size=1, keep=1)  # fmt: skip
+    assert (path / "dcp").is_dir() and not (path / "model.pt").exists()
+    other, other_opt = _trained(1)
+    cpu = torch.device("cpu")
+    got = load_checkpoint(path, other, other_opt, None, strategy="ddp", rank=0, device=cpu)
+    assert got == Progress(3, 300)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
+    )
+    sa, sb = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+
+
+def test_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     model, opt = _trained(0)
     path = _save(tmp_path, 1, model, opt)
-    with pytest.raises(CheckpointError, match="strategy 'single'"):
-        load_checkpoint(path, model, opt, None, strategy="fsdp", rank=0, device=torch.device("cpu"))
     bigger = GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=8, vocab_size=64))
     with pytest.raises(CheckpointError, match="does not fit this model"):
         load_checkpoint(

@@ -284,7 +284,7 @@ def test_an_uncaught_exception_is_recorded_by_the_rank_that_raised_it(
 def test_a_known_failure_inside_the_run_is_not_recorded_as_a_crash(
     data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A checkpoint of another strategy is found while the run is set up, inside the part
+    """A checkpoint of another model is found while the run is set up, inside the part
     where any other exception is recorded as a crash: it stays a one-line spec_error."""
     from trainer.checkpoint import Progress, save_checkpoint
     from trainer.config import TrainConfig
@@ -292,7 +292,7 @@ def test_a_known_failure_inside_the_run_is_not_recorded_as_a_crash(
     from trainer.train import build_optimizer
 
     cfg = runs.config(eval={"every": 0})
-    model_cfg = TrainConfig.model_validate(cfg)
+    model_cfg = TrainConfig.model_validate(runs.config(model={"n_layer": 1}))
     gpt = GPT(model_cfg.model)
     save_checkpoint(tmp_path / "run", Progress(step=4, tokens_seen=0), gpt,
                     build_optimizer(gpt, model_cfg.optim), None, strategy="ddp", rank=0,
@@ -301,7 +301,7 @@ def test_a_known_failure_inside_the_run_is_not_recorded_as_a_crash(
     err = capsys.readouterr().err
     assert err.startswith("trainer: error: checkpoint ") and err.count("\n") == 1, err
     info = _exit_info(tmp_path / "run")
-    assert info["reason"] == "spec_error" and "strategy 'ddp'" in str(info["message"])
+    assert info["reason"] == "spec_error" and "does not fit this model" in str(info["message"])
 
 
 def test_bf16_fsdp_on_cpu_publishes_metrics_to_redis(

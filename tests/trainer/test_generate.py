@@ -1,5 +1,5 @@
 """trainer.generate without the service: the KV cache decodes what the full forward does,
-greedy decoding of our gpt and llama equals transformers' generate on their Hugging Face
+greedy decoding of our gpt, llama and moe equals transformers' generate on their Hugging Face
 export, a seed repeats, and streamed text never splits a UTF-8 character.
 
 The models are tiny and drawn from a seed, their weights scaled up so the next token is
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.config import HFModelConfig, LlamaConfig, ModelConfig
+from trainer.config import HFModelConfig, LlamaConfig, ModelConfig, MoeConfig
 from trainer.generate import (
     ByteTokenizer,
     HFTokenizer,
@@ -30,6 +30,8 @@ PROMPT = list("Le café déjà vu ".encode())
 FAMILIES = {
     "gpt": ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=64),
     "llama": LlamaConfig(family="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=64),
+    # Mixtral: its export's greedy decoding is transformers' MixtralForCausalLM's
+    "moe": MoeConfig(family="moe", n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=64),
 }
 
 

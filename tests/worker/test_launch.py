@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,6 +167,17 @@ def test_nodes_writing_the_run_config_at_once_never_collide(tmp_path: Path) -> N
     assert errors == []
     assert json.loads((tmp_path / "config.json").read_text()) == train
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_the_advertised_interface_goes_to_gloo_and_nccl_unless_the_worker_names_one() -> None:
+    kw: dict[str, Any] = dict(gpus=None, redis_url="r", redis_prefix="p", job_id="j", attempt=1,
+                              threads=1)  # fmt: skip
+    env = build_env({}, ifname="eth1", **kw)
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("eth1", "eth1")
+    assert "GLOO_SOCKET_IFNAME" not in build_env({}, **kw), "one node: no interface named"
+    named = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+    mine = build_env(named, ifname="eth1", **kw)
+    assert (mine["GLOO_SOCKET_IFNAME"], mine["NCCL_SOCKET_IFNAME"]) == ("ib0", "ib0")
 
 
 def test_tracker_credentials_reach_only_runs_that_track_there(tmp_path: Path) -> None:

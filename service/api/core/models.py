@@ -21,6 +21,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -41,6 +42,7 @@ __all__ = [
     "LOGS",
     "METRICS",
     "OWNER_LIMITS",
+    "SWEEPS",
     "TERMINAL",
     "WEBHOOKS",
     "WEBHOOK_DELIVERIES",
@@ -55,6 +57,7 @@ __all__ = [
     "LogChunk",
     "Metric",
     "OwnerLimit",
+    "Sweep",
     "Webhook",
     "WebhookDelivery",
     "new_job_id",
@@ -71,8 +74,11 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-JOB_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+JOB_STATUSES = (
+    "queued", "running", "cancelling", "succeeded", "failed", "cancelled", "stopped_early",
+)  # fmt: skip
+# stopped_early: a sweep's pruner stopped the trial (service.api.sweeps); its checkpoints stay.
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "stopped_early"})
 ATTEMPT_STATUSES = ("dispatched", "running", "exited", "lost")
 ACTIVE_ATTEMPT = frozenset({"dispatched", "running"})
 
@@ -132,6 +138,11 @@ class Job(Base):
     # The run folder's worst case at submit (trainer.plan's disk estimate; 0: not known), what
     # the job counts against its owner's TRAINQ_RUNS_MAX_OWNER_BYTES while its row exists.
     disk_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # A sweep's trial (service.api.sweeps): its sweep, and the values it was given, by path.
+    sweep: Mapped[str | None] = mapped_column(
+        ForeignKey("sweeps.id", ondelete="SET NULL"), index=True
+    )
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key"),
@@ -362,6 +373,35 @@ class WebhookDelivery(Base):
     )  # fmt: skip
 
 
+class Sweep(Base):
+    """A hyperparameter search (service.api.sweeps): trials are jobs with ``jobs.sweep`` set.
+    ``study`` is the Optuna study (sampler state and trials) as the searcher last committed
+    it; ``proposed`` counts the trials made, the compare-and-set guard of every proposal."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(200))
+    base: Mapped[dict[str, Any]] = mapped_column(JSON)  # the JobSpec trials start from
+    space: Mapped[dict[str, Any]] = mapped_column(JSON)  # dotted path -> distribution
+    method: Mapped[str] = mapped_column(String(16))
+    metric: Mapped[str] = mapped_column(String(32))
+    goal: Mapped[str] = mapped_column(String(8))
+    budget: Mapped[int] = mapped_column(Integer)
+    parallelism: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int | None] = mapped_column(BigInteger)
+    early_stop: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    study: Mapped[bytes | None] = mapped_column(LargeBinary)
+    proposed: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16))  # running, finished, cancelled
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+
+    __table_args__ = (Index("ix_sweeps_owner_id", "owner", "id"),)
+
+
 # The tables, typed as such, for Core statements on the hot paths.
 JOBS = cast(Table, Job.__table__)
 ATTEMPTS = cast(Table, Attempt.__table__)
@@ -374,3 +414,4 @@ OWNER_LIMITS = cast(Table, OwnerLimit.__table__)
 EVENTS = cast(Table, EventRecord.__table__)
 WEBHOOKS = cast(Table, Webhook.__table__)
 WEBHOOK_DELIVERIES = cast(Table, WebhookDelivery.__table__)
+SWEEPS = cast(Table, Sweep.__table__)

@@ -71,6 +71,7 @@ class Settings(BaseSettings):
     ingest_block_ms: int = Field(1000, ge=1)
     ingest_claim_idle_ms: int = Field(30_000, ge=0)  # pending entries of a dead consumer
     reconcile_interval_s: float = Field(2.0, gt=0)
+    sweep_interval_s: float = Field(2.0, gt=0)  # the sweeps' pass (service.api.sweeps.sweeper)
     heartbeat_grace_s: float = Field(5.0, ge=0)  # a heartbeat missing this long: lost
     unsent_grace_s: float = Field(5.0, ge=0)  # the request that committed it sends first
     # A sent, unclaimed attempt whose message is in no broker queue (the broker lost its

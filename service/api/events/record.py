@@ -29,6 +29,7 @@ EVENT_TYPES = (
     "job.succeeded",
     "job.failed",
     "job.cancelled",
+    "job.stopped_early",
     "checkpoint.written",
     "sweep.created",
     "sweep.finished",

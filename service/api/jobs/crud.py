@@ -39,6 +39,7 @@ __all__ = [
     "decode_cursor",
     "encode_cursor",
     "get_job",
+    "insert_job",
     "job_row",
     "list_jobs",
     "queue_position",
@@ -100,6 +101,8 @@ def job_row(
         "last_step": None,
         "last_metrics": None,
         "disk_bytes": disk_bytes,
+        "sweep": None,
+        "params": None,
     }
 
 
@@ -132,10 +135,10 @@ def create_job(
                     if found is not None:  # a replay creates nothing: never refused
                         return found, False
                 room_mod.check(session, principal.name, disk_bytes, room)
-                _insert_job(session, row)
+                insert_job(session, row)
         else:
             with session.begin():
-                _insert_job(session, row)
+                insert_job(session, row)
         return row, True
     except IntegrityError:
         if idempotency_key is None:
@@ -151,7 +154,7 @@ def create_job(
     return existing, False
 
 
-def _insert_job(session: Session, row: dict[str, Any]) -> None:
+def insert_job(session: Session, row: dict[str, Any]) -> None:
     # Parameters apart from the statement: the compiled INSERT is cached.
     session.execute(_INSERT_JOB, row)
     session.execute(

@@ -28,7 +28,9 @@ __all__ = [
     "PlanOut",
 ]
 
-JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+JobStatus = Literal[
+    "queued", "running", "cancelling", "succeeded", "failed", "cancelled", "stopped_early"
+]
 AttemptStatus = Literal["dispatched", "running", "exited", "lost"]
 
 
@@ -112,6 +114,8 @@ class JobOut(JobSummary):
         None, description='for a queued job: "no worker serves queue X" or "position N in queue X"'
     )
     attempts: list[AttemptOut] = Field(default_factory=list)
+    sweep: str | None = Field(None, description="the sweep this job is a trial of")
+    params: dict[str, Any] | None = Field(None, description="a trial's values, by dotted path")
 
 
 class JobList(BaseModel):
@@ -122,6 +126,9 @@ class JobList(BaseModel):
 class PlanParameters(BaseModel):
     total: int | None = Field(None, description="every parameter (LoRA's adapters included)")
     trainable: int | None = Field(None, description="with LoRA, only the adapters")
+    active: int | None = Field(
+        None, description="what one token computes with: total but the experts it is not routed to"
+    )
 
 
 class PlanDeviceMemory(BaseModel):
@@ -165,11 +172,22 @@ class PlanDisk(BaseModel):
     )
 
 
+class PlanLayout(BaseModel):
+    """How the ranks hold the model (trainer/mesh.py): ddp replicates it on every rank, fsdp
+    shards it over all of them, hsdp over ``shard`` ranks, ``replicate`` times over."""
+
+    strategy: Literal["ddp", "fsdp", "hsdp"]
+    replicate: int
+    shard: int
+    describe: str
+
+
 class PlanOut(BaseModel):
     """``POST /v1/jobs?dry_run=true``: what the spec would need, before anything runs."""
 
     family: str
     world_size: int = Field(description="nodes * procs_per_node")
+    layout: PlanLayout | None = None
     tokens_per_step: int
     parameters: PlanParameters
     memory: PlanMemory | None = Field(None, description="null when the model is unknown")

@@ -8,7 +8,8 @@ the caller's transaction and return what changed; the caller commits, then publi
 ::
 
     job:      queued ─▶ running ─▶ succeeded | failed | cancelled
-                 ▲         │ └──▶ cancelling ─▶ cancelled (or whatever the exit says)
+                 ▲         │ └──▶ cancelling ─▶ cancelled | stopped_early
+                 │         │                   (or whatever the exit says)
                  └─────────┘ retry: a new attempt, resuming from the run's checkpoint
     attempt:  dispatched ─▶ running ─▶ exited | lost
 
@@ -40,6 +41,7 @@ __all__ = [
     "attempt_lost",
     "attempt_running",
     "cancel_job",
+    "stop_early",
 ]
 
 # Failures that a new attempt may fix; spec_error, nan_loss and timeout would only repeat.
@@ -287,7 +289,7 @@ def _settle(
     """Decide the job once its current attempt has ended: done, failed, or a new attempt."""
     out = Outcome()
     row = session.execute(
-        select(JOBS.c.status, JOBS.c.retries, JOBS.c.retries_used).where(
+        select(JOBS.c.status, JOBS.c.reason, JOBS.c.retries, JOBS.c.retries_used).where(
             JOBS.c.id == job_id, JOBS.c.attempt == number
         )
     ).first()
@@ -302,6 +304,8 @@ def _settle(
             _changed(session, out, StatusChange(job_id, number, status, why, text))
         return out
 
+    if row.status == "cancelling" and row.reason == STOPPED_EARLY:
+        return finish(STOPPED_EARLY, STOPPED_EARLY, EARLY_TEXT)  # whatever the exit said
     if row.status == "cancelling" or reason == "cancelled":
         return finish("cancelled", "cancelled", message or "cancelled")
     if reason is None:
@@ -363,9 +367,25 @@ def _gang_failures(session: Session, job_id: str) -> int:
     )
 
 
-def cancel_job(session: Session, job_id: str, *, at: datetime | None = None) -> Outcome:
-    """Queued: cancelled at once. Running: cancelling, until the worker reports the exit."""
+STOPPED_EARLY = "stopped_early"
+EARLY_TEXT = "stopped early by its sweep's pruner (hopeless against the other trials)"
+
+
+def stop_early(session: Session, job_id: str, *, at: datetime | None = None) -> Outcome:
+    """A sweep's pruner stops a trial: a cancel that ends ``stopped_early`` (no retry spent,
+    its checkpoints kept, as a cancel's). The caller sets the cancel flag first."""
+    return cancel_job(session, job_id, at=at, early=True)
+
+
+def cancel_job(
+    session: Session, job_id: str, *, at: datetime | None = None, early: bool = False
+) -> Outcome:
+    """Queued: cancelled at once. Running: cancelling, until the worker reports the exit.
+    ``early``: stopped_early instead of cancelled (``stop_early``)."""
     at = at or utcnow()
+    done, why, said = ("cancelled", "cancelled", None) if not early else (
+        STOPPED_EARLY, STOPPED_EARLY, EARLY_TEXT
+    )  # fmt: skip
     out = Outcome()
     for _ in range(3):  # a concurrent transition may move the job between read and write
         row = session.execute(
@@ -374,14 +394,14 @@ def cancel_job(session: Session, job_id: str, *, at: datetime | None = None) -> 
         if row is None or row.status not in ("queued", "running"):
             return out
         if row.status == "queued":
-            text = "cancelled before it started"
+            text = said or "cancelled before it started"
             if _cas_job(
                 session,
                 job_id,
                 row.attempt,
                 ("queued",),
-                status="cancelled",
-                reason="cancelled",
+                status=done,
+                reason=why,
                 message=text,
                 ended_at=at,
             ):
@@ -396,11 +416,17 @@ def cancel_job(session: Session, job_id: str, *, at: datetime | None = None) -> 
                     message=text,
                     ended_at=at,
                 )
-                _changed(
-                    session, out, StatusChange(job_id, row.attempt, "cancelled", "cancelled", text)
-                )
+                _changed(session, out, StatusChange(job_id, row.attempt, done, why, text))
                 return out
-        elif _cas_job(session, job_id, row.attempt, ("running",), status="cancelling"):
+        elif _cas_job(
+            session,
+            job_id,
+            row.attempt,
+            ("running",),
+            status="cancelling",
+            # the reason _settle reads to end it stopped_early
+            **({"reason": STOPPED_EARLY} if early else {}),
+        ):
             _changed(session, out, StatusChange(job_id, row.attempt, "cancelling"))
             return out
     return out

@@ -23,7 +23,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.core.models import JOBS, LOGS, METRICS
+from service.api.core.models import ATTEMPTS, JOBS, LOGS, METRICS
 from service.api.core.settings import Settings
 from service.api.jobs.state import Outcome, attempt_exited, attempt_running
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
@@ -123,6 +123,7 @@ class Ingestor:
         self._next_claim = 0.0
         self._group_ready = False
         self.applied = 0
+        self.dropped = 0  # events of an attempt sent after it was called lost
         self.last_event_ts: float | None = None
 
     def ensure_group(self) -> None:
@@ -230,9 +231,16 @@ class Ingestor:
             }
             metrics: dict[tuple[str, int, int], dict[str, Any]] = {}
             logs: dict[tuple[str, int, int], dict[str, Any]] = {}
+            superseded = _lost_since(session, job_ids)
             for ev in events:
                 if ev.job_id not in known:
                     continue  # a job this store never had (another deployment's prefix?)
+                ended = superseded.get((ev.job_id, ev.attempt))
+                if ended is not None and ev.ts > ended and ev.kind in ("metric", "log"):
+                    # Sent after the service called its attempt lost: a host that was cut off
+                    # and came back (trainer.fence stops it at its next checkpoint).
+                    self.dropped += 1
+                    continue
                 if ev.kind == "metric":
                     point = clean_metric(ev.data)
                     if point is not None:
@@ -368,6 +376,21 @@ class Ingestor:
                 log.warning("ingest: %s; retrying in %.1fs", exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+
+def _lost_since(session: Session, job_ids: set[str]) -> dict[tuple[str, int], float]:
+    """(job, attempt) -> when the service called it lost (its heartbeat expired)."""
+    rows = session.execute(
+        select(ATTEMPTS.c.job_id, ATTEMPTS.c.number, ATTEMPTS.c.ended_at).where(
+            ATTEMPTS.c.job_id.in_(job_ids), ATTEMPTS.c.status == "lost"
+        )
+    )
+    out = {}
+    for r in rows:
+        if r.ended_at is not None:
+            at = r.ended_at if r.ended_at.tzinfo else r.ended_at.replace(tzinfo=UTC)
+            out[(r.job_id, r.number)] = at.timestamp()
+    return out
 
 
 def _short(value: Any) -> str | None:

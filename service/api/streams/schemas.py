@@ -24,6 +24,11 @@ class MetricPoint(BaseModel):
     mfu: float | None = None
     mem_peak_bytes: float | None = None
     data_wait_frac: float | None = None
+    # family moe (trainer/moe.py): the router's losses and how the tokens spread over experts
+    aux_loss: float | None = None
+    router_z_loss: float | None = None
+    expert_load_max: float | None = None
+    expert_load_cv: float | None = None
 
 
 METRIC_FIELDS: tuple[str, ...] = tuple(

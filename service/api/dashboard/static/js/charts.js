@@ -6,7 +6,11 @@
 
 import { el, num, si } from "./format.js";
 
-const FIELDS = ["loss", "val_loss", "lr", "tokens_per_s", "mfu", "grad_norm"];
+const FIELDS = [
+  "loss", "val_loss", "lr", "tokens_per_s", "mfu", "grad_norm",
+  // family moe: the router's balance (trainer/moe.py)
+  "aux_loss", "expert_load_max", "expert_load_cv",
+];
 
 export class MetricStore {
   // Past maxPoints the older half is thinned, so a long live session stays light.
@@ -15,6 +19,7 @@ export class MetricStore {
     this.byStep = new Map();
     this.steps = []; // sorted
     this.version = 0;
+    this.seen = new Set(); // the fields any point has had a number for
   }
 
   get size() {
@@ -36,6 +41,7 @@ export class MetricStore {
       for (const f of FIELDS) {
         // A metric event without val_loss must not erase a val_loss seen for that step.
         if (point[f] !== undefined && (point[f] !== null || !old)) merged[f] = point[f];
+        if (point[f] != null) this.seen.add(f);
       }
       this.byStep.set(step, merged);
       if (!old) {
@@ -106,6 +112,20 @@ export const PANELS = [
     series: [{ field: "lr", label: "lr", stroke: "#7c3aed" }],
     fmt: (v) => num(v, 3),
   },
+  {
+    // A collapsing router shows here while the job runs: the busiest expert's share of
+    // the tokens climbs towards 1/top_k and the spread (cv) grows. Only for jobs that
+    // report it (family moe).
+    key: "experts",
+    title: "Experts: load and aux loss",
+    optional: "expert_load_max",
+    series: [
+      { field: "expert_load_max", label: "busiest share", stroke: "#dc2626" },
+      { field: "expert_load_cv", label: "load cv", stroke: "#d97706" },
+      { field: "aux_loss", label: "aux loss", stroke: "#0891b2" },
+    ],
+    fmt: (v) => num(v, 3),
+  },
 ];
 
 function chartOptions(panel, width) {
@@ -153,11 +173,13 @@ export class ChartGrid {
     for (const panel of PANELS) {
       const body = el("div", { class: "chart-body" });
       const empty = el("div", { class: "chart-empty", text: "no points yet" });
-      this.node.append(el("section", { class: "card chart", "data-chart": panel.key },
-        el("h3", { text: panel.title }), body, empty));
+      const section = el("section", { class: "card chart", "data-chart": panel.key },
+        el("h3", { text: panel.title }), body, empty);
+      section.hidden = Boolean(panel.optional);
+      this.node.append(section);
       const chart = new window.uPlot(chartOptions(panel, this.widthOf(body)),
         this.store.columns(panel.series.map((s) => s.field)), body);
-      this.charts.set(panel.key, { panel, chart, body, empty });
+      this.charts.set(panel.key, { panel, chart, body, empty, section });
     }
     this.resize = new ResizeObserver(() => {
       for (const { chart, body } of this.charts.values()) {
@@ -182,7 +204,8 @@ export class ChartGrid {
   draw() {
     if (this.drawnVersion === this.store.version) return;
     const t0 = performance.now();
-    for (const { panel, chart, empty } of this.charts.values()) {
+    for (const { panel, chart, empty, section } of this.charts.values()) {
+      if (panel.optional) section.hidden = !this.store.seen.has(panel.optional);
       chart.setData(this.store.columns(panel.series.map((s) => s.field)));
       empty.hidden = this.store.size > 0;
     }

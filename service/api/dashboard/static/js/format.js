@@ -75,7 +75,7 @@ export function clock(value) {
   });
 }
 
-export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+export const TERMINAL = new Set(["succeeded", "failed", "cancelled", "stopped_early"]);
 
 // `tone` picks the colour when the status alone does not say how it went (an exited attempt).
 export function statusPill(status, reason, tone = status) {

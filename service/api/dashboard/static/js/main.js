@@ -6,6 +6,7 @@ import { getToken, onAuthNeeded, setToken } from "./api.js";
 import { mountDatasets } from "./datasets.js";
 import { mountJob } from "./job.js";
 import { mountJobs } from "./jobs.js";
+import { mountSweep } from "./sweep.js";
 
 const view = document.getElementById("view");
 const conn = document.getElementById("conn");
@@ -34,6 +35,10 @@ function route() {
     const points = Number(new URLSearchParams(match[2] || "").get("points")) || undefined;
     state.route = { name: "job", id: decodeURIComponent(match[1]), points };
     unmount = mountJob(view, state, state.route.id, { points });
+  } else if (/^#\/sweeps\/[^/?#]+$/.test(location.hash)) {
+    const id = decodeURIComponent(location.hash.slice("#/sweeps/".length));
+    state.route = { name: "sweep", id };
+    unmount = mountSweep(view, state, id);
   } else if (/^#\/datasets\/?$/.test(location.hash)) {
     state.route = { name: "datasets" };
     unmount = mountDatasets(view, state);

@@ -1,0 +1,1 @@
+"""Sweeps: hyperparameter searches whose trials are ordinary jobs (issue #27)."""

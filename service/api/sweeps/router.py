@@ -1,0 +1,123 @@
+"""Sweeps: submit, list, get, cancel."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+
+from service.api.core.auth import Principal
+from service.api.core.deps import PrincipalDep, Services, ServicesDep
+from service.api.core.errors import InvalidInput, NotFound
+from service.api.core.responses import errors
+from service.api.datasets.service import resolve_dataset
+from service.api.jobs.router import parse_spec
+from service.api.scheduling.limits import (
+    OwnerLimits,
+    apply_runtime_rules,
+    check_priority,
+    check_run_disk,
+)
+from service.api.streams.notify import publish_status, signal_cancel
+from service.api.streams.schemas import METRIC_FIELDS
+from service.api.sweeps import crud, space
+from service.api.sweeps.schemas import SweepIn, SweepList, SweepOut
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["sweeps"])
+
+
+def _json(model: Any, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _under(prefix: str, exc: InvalidInput) -> InvalidInput:
+    """The job spec's errors (at ``body.*``) as the sweep's (at ``body.base.*``)."""
+    moved = [{**e, "loc": ["body", prefix, *e["loc"][1:]]} for e in exc.errors]
+    return InvalidInput(str(exc), moved)
+
+
+def _validate(services: Services, principal: Principal, body: SweepIn) -> dict[str, Any]:
+    """The base spec as a submit checks it (422 at ``base.*``), then the space (``space.*``),
+    the metric and the method against it; the resolved base, as JSON."""
+    settings = services.settings
+    try:
+        spec = parse_spec(json.dumps(body.base).encode(), "application/json", settings.data_root)
+        if spec.train.data.dataset is not None:
+            spec = resolve_dataset(services.reader, settings.data_root, principal, spec)
+        spec = apply_runtime_rules(spec, settings)
+        check_run_disk(spec, settings)
+    except InvalidInput as exc:
+        raise _under("base", exc) from exc
+    check_priority(principal, spec.priority, OwnerLimits.merged(settings))
+    base = spec.model_dump(mode="json")
+    space.check_space(base, dict(body.space))
+    if body.metric not in ("loss", "val_loss"):
+        raise InvalidInput.at(
+            ["body", "metric"],
+            f"{body.metric!r} is not a metric a trial reports for the sweep: loss or val_loss"
+            f" (the trainer reports {', '.join(METRIC_FIELDS)})",
+        )
+    if body.metric == "val_loss" and spec.train.eval.every == 0:
+        raise InvalidInput.at(
+            ["body", "metric"], "val_loss needs base.train.eval.every > 0 (or metric: loss)"
+        )
+    stored = {path: p.model_dump(mode="json") for path, p in body.space.items()}
+    if body.method == "grid" and space.grid_size(stored) == 0:
+        raise InvalidInput.at(
+            ["body", "method"], "grid needs every path to be a choice or an int range"
+        )
+    return base
+
+
+@router.post("/v1/sweeps", status_code=201, response_model=SweepOut, responses=errors(401, 403))
+def submit_sweep(body: SweepIn, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Start a sweep: trials of the base spec over the space, proposed by its method."""
+    base = _validate(services, principal, body)
+    with services.sessions() as session:
+        sweep_id = crud.create_sweep(session, principal, body, base)
+        found = crud.get_sweep(session, principal, sweep_id)
+    return _json(found, 201)
+
+
+@router.get("/v1/sweeps", response_model=SweepList, responses=errors(401))
+def list_sweeps(
+    services: ServicesDep,
+    principal: PrincipalDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> Response:
+    """List sweeps newest first, each with its trials."""
+    with services.sessions() as session:
+        return _json(SweepList(items=crud.list_sweeps(session, principal, limit)))
+
+
+def _get(services: Services, principal: Principal, sweep_id: str) -> SweepOut:
+    with services.sessions() as session:
+        found = crud.get_sweep(session, principal, sweep_id)
+    if found is None:
+        raise NotFound(f"sweep {sweep_id} not found")
+    return found
+
+
+@router.get("/v1/sweeps/{sweep_id}", response_model=SweepOut, responses=errors(401, 404))
+def get_sweep(sweep_id: str, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """One sweep: its trials with their parameters, status and metric, and the best trial."""
+    return _json(_get(services, principal, sweep_id))
+
+
+@router.post("/v1/sweeps/{sweep_id}/cancel", response_model=SweepOut, responses=errors(401, 404))
+def cancel(sweep_id: str, services: ServicesDep, principal: PrincipalDep) -> Response:
+    """Cancel a sweep (idempotent): no more trials, and its trials are cancelled."""
+    _get(services, principal, sweep_id)
+    with services.sessions() as session:
+        outcome, live = crud.cancel_sweep(session, sweep_id)
+    for job_id in live:
+        signal_cancel(services.redis, services.keys, job_id)
+    publish_status(
+        services.redis, services.keys, outcome.changes, maxlen=services.settings.job_stream_maxlen
+    )
+    if services.dispatcher.admits and outcome.changes:
+        services.dispatcher.wake()
+    return _json(_get(services, principal, sweep_id))
