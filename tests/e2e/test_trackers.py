@@ -138,8 +138,8 @@ def _get(api: Api, path: str, **params: Any) -> httpx.Response:
     return r
 
 
-def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The history rows of the run's offline .wandb log, read by wandb's own CLI
+def _wandb_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of the run's offline .wandb log, read by wandb's own CLI
     (``wandb leet inspect --json``: one JSON record a line)."""
     [folder] = run_dir.glob("wandb/offline-run-*")
     assert list(folder.glob("run-*.wandb")), "the offline run's transaction log, for wandb sync"
@@ -148,8 +148,7 @@ def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
         [wandb_cli, "leet", "inspect", "--json", str(folder)],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return [r["history"]["item"] for r in records if r.get("type") == "history"]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 # First: it runs while the mlflow server is still starting.
@@ -209,7 +208,13 @@ def test_a_job_logs_to_mlflow_and_wandb_the_numbers_of_its_metrics_api(
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
 
     run_dir = Path(fast_system.env["TRAINQ_RUNS_ROOT"]) / job_id
-    history = _wandb_history(run_dir)
+    records = _wandb_records(run_dir)
+    history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+    summary: dict[str, Any] = {}
+    for r in records:
+        if r.get("type") == "summary":
+            summary.update(r["summary"].get("update", {}))
+    assert summary["trainq.checkpoint"] == run.data.tags["trainq.checkpoint"]
     assert {int(r["_step"]): r["loss"] for r in history} == {p["step"]: p["loss"] for p in points}
     assert {int(r["_step"]): r["val_loss"] for r in history if "val_loss" in r} == {
         p["step"]: p["val_loss"] for p in points if p["val_loss"] is not None
