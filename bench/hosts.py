@@ -1,0 +1,252 @@
+"""Multi-node training across separate network hosts (Linux network namespaces, root only).
+
+Three hosts from ``tests/hosts.py`` (namespaces on a bridge, Redis reached through a relay
+per host), PostgreSQL, Redis and the API in the root namespace, a fresh store (``stack()``).
+
+1. Tokens/s of one 2-node x 2-rank job (the trainer's own ``tokens_per_s``, median of the
+   steps after the first few), three ways, alternated over ``--rounds``:
+   - ``hosts``: through the service, one node on each of two namespace hosts;
+   - ``one``: through the service, both nodes on one host (two workers in the root
+     namespace, rendezvous on loopback);
+   - ``bare``: ``torchrun --nnodes 2`` started by hand in the same two namespaces (static
+     rendezvous at host 0's address, the same trainer, config and data; no worker).
+   Goals: hosts/one >= 0.95, hosts/bare >= 0.98.
+2. Time from a host's loss (every process in it killed, its link down) to the job running
+   again on the remaining hosts: to attempt 2's start, and to its first step; printed with
+   the heartbeat TTL + grace. Goal: <= grace + 10 s.
+
+``python bench/hosts.py [--rounds 2] [--steps 40]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from bench._util import CORES, Stack, alternate, stack, start_worker, stop_worker
+from tests.hosts import Host, Hosts, available
+from trainer.prepare import prepare_demo
+
+FAST = {
+    "TRAINQ_HEARTBEAT_TTL_S": "3",
+    "TRAINQ_HEARTBEAT_GRACE_S": "1",
+    "TRAINQ_RECONCILE_INTERVAL_S": "0.5",
+    "TRAINQ_CANCEL_GRACE_S": "5",
+    "TRAINQ_CANCEL_POLL_S": "0.5",
+    "TRAINQ_REGISTRY_INTERVAL_S": "1",
+    "TRAINQ_INGEST_BLOCK_MS": "200",
+    "TRAINQ_GANG_TIMEOUT_S": "60",
+}
+HOSTS_Q, ONE_Q = "bench-hosts", "bench-one"
+
+
+def train(steps: int) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "seed": 7,
+        "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 128, "vocab_size": 256},
+        "data": {"path": "demo"},
+        "batch": {"micro_batch_size": 8},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 0, "keep": 1},
+        "log_every": 1,
+    }
+
+
+def wait(pred: Any, timeout: float, what: str, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout:.0f} s")
+        time.sleep(every)
+    return value
+
+
+def median_rate(points: list[dict[str, Any]], skip: int = 5) -> float:
+    rates = [p["tokens_per_s"] for p in points if p["step"] > skip and p.get("tokens_per_s")]
+    return statistics.median(rates)
+
+
+class Bench:
+    def __init__(self, st: Stack, hosts: Hosts, api: str) -> None:
+        self.st, self.hosts = st, hosts
+        self.client = httpx.Client(base_url=api, headers=st.auth, timeout=30)
+        self.workers: dict[str, Any] = {}
+        self.on: dict[str, Host] = {}
+        self.env = st.env(**FAST)
+        self.env.pop("TRAINQ_DATABASE_URL")
+
+    def registered(self, name: str) -> bool:
+        listed = self.client.get("/v1/workers").json()["items"]
+        return any(w["name"] == name for w in listed)
+
+    def host_worker(self, host: Host) -> str:
+        name = f"b-{host.netns}"
+        env = dict(self.env)
+        for var in ("TRAINQ_REDIS_URL", "TRAINQ_BROKER_URL"):
+            env[var] = self.hosts.redis_url(host, int(env[var].rsplit("/", 1)[1]))
+        argv = [sys.executable, "-m", "worker", "--queues", HOSTS_Q, "--hostname", name]
+        self.workers[name] = host.popen(argv, env, self.st.tmp / f"{name}.log")
+        self.on[name] = host
+        wait(lambda: self.registered(name), 90, f"worker {name}")
+        return name
+
+    def local_worker(self, i: int) -> None:
+        name = f"b-local{i}"
+        self.workers[name] = start_worker(self.env, ONE_Q, name, self.st.tmp / f"{name}.log")
+        wait(lambda: self.registered(name), 90, f"worker {name}")
+
+    def submit(self, queue: str, cfg: dict[str, Any], **spec: Any) -> str:
+        body = {"name": queue, "queue": queue, "train": cfg, "nodes": 2, "procs_per_node": 2}
+        r = self.client.post("/v1/jobs", json={**body, **spec})
+        assert r.status_code == 201, r.text
+        return str(r.json()["id"])
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return dict(self.client.get(f"/v1/jobs/{job_id}").json())
+
+    def points(self, job_id: str) -> list[dict[str, Any]]:
+        r = self.client.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 100_000})
+        return list(r.json()["points"])
+
+    def through_worker(self, queue: str, steps: int) -> float:
+        job_id = self.submit(queue, train(steps))
+        done = wait(
+            lambda: (j := self.job(job_id))["status"] in ("succeeded", "failed") and j,
+            600,
+            f"job {job_id}",
+            0.5,
+        )
+        assert done["status"] == "succeeded", done
+        return median_rate(self.points(job_id))
+
+    def bare(self, steps: int, n: int) -> float:
+        """torchrun --nnodes 2 by hand in host 0 and host 1: the same trainer, no worker."""
+        h0, h1 = self.hosts.hosts[0], self.hosts.hosts[1]
+        run = self.st.tmp / f"bare-{n}"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(train(steps)))
+        port = 29400 + n
+        env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_")}
+        env.update(GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=self.env.get("OMP_NUM_THREADS", "1"))
+        procs = []
+        for rank, host in enumerate((h0, h1)):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc-per-node=2", "--rdzv-backend=static",
+                    f"--rdzv-endpoint={h0.address}:{port}", f"--node-rank={rank}",
+                    "-m", "trainer", "--config", str(run / "config.json"),
+                    "--run-dir", str(run), "--data-root", str(self.st.tmp / "data")]  # fmt: skip
+            procs.append(host.popen(argv, env, run / f"node{rank}.log", cwd=run))
+        for p in procs:
+            assert p.wait(600) == 0, (run / "node0.log").read_text()[-2000:]
+        records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        return median_rate([r for r in records if "step" in r])
+
+    def host_loss(self) -> tuple[float, float, float]:
+        """(s to attempt 1 lost, s to attempt 2 started, s to its first step) after the loss."""
+        cfg = {**train(100_000), "checkpoint": {"every": 10, "keep": 1}}
+        job_id = self.submit(HOSTS_Q, cfg, retries=1)
+        wait(lambda: len(self.points(job_id)) >= 15, 300, "training", 0.2)
+        events = self.lifecycle_workers(job_id)
+        victim = self.on[events[1]]
+        t0 = time.time()
+        victim.kill_all()
+        victim.link(False)
+
+        def second_started() -> dict[str, Any] | None:
+            j = self.job(job_id)
+            return j if j["attempt"] == 2 and j["attempts"][1]["started_at"] else None
+
+        job = wait(second_started, 120, "attempt 2", 0.05)
+        lost = datetime.fromisoformat(job["attempts"][0]["ended_at"]).timestamp() - t0
+        started = datetime.fromisoformat(job["attempts"][1]["started_at"]).timestamp() - t0
+        first = wait(
+            lambda: [p for p in self.points(job_id) if p["attempt"] == 2], 300, "a step", 0.05
+        )
+        stepped = min(p["ts"] for p in first) - t0
+        self.client.post(f"/v1/jobs/{job_id}/cancel")
+        victim.link(True)
+        return lost, started, stepped
+
+    def lifecycle_workers(self, job_id: str) -> dict[int, str]:
+        import redis
+
+        r = redis.Redis.from_url(self.st.redis_url)
+        try:
+            entries = r.xrange(f"trainq:job:{job_id}")
+        finally:
+            r.close()
+        out = {}
+        for _, f in entries:
+            data = json.loads(f[b"data"])
+            if f[b"kind"] == b"lifecycle" and data.get("phase") == "running":
+                out[int(data.get("node", 0))] = data["worker"]
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    a = p.parse_args()
+    why = available()
+    if why is not None:
+        sys.exit(f"bench/hosts.py: {why}")
+    print(f"note: {CORES} cores shared by every rank, worker, the API, PostgreSQL and Redis;"
+          " the namespace hosts share these CPUs (what differs is the network path)")  # fmt: skip
+    with stack(owner="bench-hosts") as st, Hosts(3) as hosts:
+        prepare_demo(st.tmp / "data" / "demo")
+        api = st.serve_api(1, **FAST)
+        b = Bench(st, hosts, api.url)
+        try:
+            for host in hosts.hosts:
+                b.host_worker(host)
+            for i in range(2):
+                b.local_worker(i)
+            b.through_worker(HOSTS_Q, 8)  # warm: first imports, page cache
+            n = iter(range(1000))
+            runs = alternate(
+                a.rounds,
+                {
+                    "hosts": lambda: b.through_worker(HOSTS_Q, a.steps),
+                    "one": lambda: b.through_worker(ONE_Q, a.steps),
+                    "bare": lambda: b.bare(a.steps, next(n)),
+                },
+            )
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            print(f"\n1. 2 nodes x 2 ranks, {a.steps} steps, tokens/s (median of steps > 5):")
+            for k, v in runs.items():
+                print(f"   {k:5s}: {', '.join(f'{x:,.0f}' for x in v)}  (median {med[k]:,.0f})")
+            r1, r2 = med["hosts"] / med["one"], med["hosts"] / med["bare"]
+            print(
+                f"   hosts / one host  = {r1:.3f}  (goal >= 0.95) {'ok' if r1 >= 0.95 else 'MISS'}"
+            )
+            print(
+                f"   hosts / bare      = {r2:.3f}  (goal >= 0.98) {'ok' if r2 >= 0.98 else 'MISS'}"
+            )
+            grace = float(FAST["TRAINQ_HEARTBEAT_TTL_S"]) + float(FAST["TRAINQ_HEARTBEAT_GRACE_S"])
+            lost, started, stepped = b.host_loss()
+            print(f"\n2. host lost (heartbeat ttl + grace = {grace:g} s): attempt 1 lost after"
+                  f" {lost:.1f} s, attempt 2 started after {started:.1f} s, first step after"
+                  f" {stepped:.1f} s (goal <= {grace + 10:g} s)"
+                  f" {'ok' if started <= grace + 10 else 'MISS'}")  # fmt: skip
+        finally:
+            for proc in b.workers.values():
+                if proc.poll() is None:
+                    stop_worker(proc)
+            b.client.close()
+
+
+if __name__ == "__main__":
+    main()
