@@ -333,11 +333,13 @@ def test_bf16_fsdp_on_cpu_publishes_metrics_to_redis(
     finally:
         client.close()
     events = [Event.from_fields(fields) for _, fields in entries]
-    # Rank 0 alone publishes: one event per step, numbered 1..8, same numbers as the file.
+    # Rank 0 alone publishes: one event per step, numbered 1..8, same numbers as the file,
+    # then the final checkpoint's (checkpoint.written, for webhooks), numbered 9.
     assert [(e.kind, e.source, e.job_id, e.attempt) for e in events] == [
         ("metric", "trainer", "job-7", 2)
-    ] * 8
-    assert [e.seq for e in events] == list(range(1, 9))
-    assert [e.data for e in events] == local
+    ] * 8 + [("checkpoint", "trainer", "job-7", 2)]
+    assert [e.seq for e in events] == list(range(1, 10))
+    assert [e.data for e in events[:8]] == local
+    assert events[8].data["step"] == 8 and events[8].data["checkpoint"] == "step-8"
     assert [e.data["step"] for e in events if "val_loss" in e.data] == [4, 8]
-    assert len(per_job) == 8
+    assert len(per_job) == 9
