@@ -2,7 +2,7 @@
 
 The sweeper's passes, the ingestor and the trials' workers are driven by hand here (the
 workers simulated on the real Redis wire: tests.api.support.WorkerSim), so each step is
-deterministic; tests/e2e/test_sweeps.py runs sweeps on real workers.
+deterministic; tests/e2e/test_sweeps_system.py runs sweeps on real workers.
 """
 
 from __future__ import annotations
