@@ -2,7 +2,7 @@
 
 The sweeper's passes, the ingestor and the trials' workers are driven by hand here (the
 workers simulated on the real Redis wire: tests.api.support.WorkerSim), so each step is
-deterministic; tests/e2e/test_sweeps.py runs sweeps on real workers.
+deterministic; tests/e2e/test_sweeps_system.py runs sweeps on real workers.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_a_grid_sweep_walks_the_grid_in_order(api: Api) -> None:
 def test_asha_stops_the_hopeless_trials_which_end_stopped_early_with_no_retry_spent(
     api: Api, sim: Callable[..., WorkerSim]
 ) -> None:
-    lrs = [1e-1, 1e-2, 1e-3, 1e-4]
+    lrs = [1e-2, 1e-4, 1e-1, 1e-3]  # trial 0 second best: the first to reach a rung
     body = _body(
         api,
         method="grid",

@@ -82,7 +82,7 @@ def _trials(session: Session, sweep: Any) -> list[TrialOut]:
                 best[r.job_id] = better(best.get(r.job_id, value), value)
     out = [
         TrialOut(
-            number=trial_number(j.idempotency_key) or 0,
+            number=trial_number(j.idempotency_key) or 0,  # a sweep's jobs all carry one
             job_id=j.id,
             status=j.status,
             params=j.params or {},

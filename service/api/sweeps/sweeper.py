@@ -169,7 +169,8 @@ class Sweeper:
         running = optuna.trial.TrialState.RUNNING
         mine: list[tuple[Any, Any]] = []  # (Optuna trial, job) of the trials not yet told
         for job in jobs:
-            trial = trials.get(trial_number(job.idempotency_key) or -1)
+            number = trial_number(job.idempotency_key)
+            trial = trials.get(number) if number is not None else None
             if trial is None:
                 continue
             if job.status == "cancelling" and job.reason == STOPPED_EARLY:
