@@ -72,9 +72,8 @@ from service.api.scheduling.decide import (
 )
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts, message_tag
 from service.api.scheduling.limits import running_caps
-from service.api.scheduling.passlock import one_pass
+from service.api.scheduling.passlock import StorePass, one_pass
 from service.api.scheduling.pending import gone_key
-from trainer.events import Keys
 from worker.message import worker_queue
 
 __all__ = ["Admitter"]
@@ -115,7 +114,9 @@ _YIELDED = ATTEMPTS.alias("yielded")
 # -- The pass against the stores -------------------------------------------------------------
 
 
-class Admitter:
+class Admitter(StorePass):
+    lock_name = "admit"
+
     def __init__(
         self,
         settings: Settings,
@@ -123,13 +124,8 @@ class Admitter:
         redis: Any,
         dispatcher: Dispatcher,
     ) -> None:
-        self.settings = settings
-        self.sessions = sessions
-        self.redis = redis
-        self.dispatcher = dispatcher
-        self.keys = Keys(settings.redis_prefix)
+        super().__init__(settings, sessions, redis, dispatcher)
         prefix = settings.redis_prefix
-        self.lock_key = f"{prefix}:admit:lock"
         self.usage_key = f"{prefix}:usage"
         self.pending_key = f"{prefix}:pending"
         self.pending_queues_key = f"{prefix}:pending:queues"

@@ -40,9 +40,8 @@ from service.api.core.settings import Settings
 from service.api.datasets.service import reap_stale
 from service.api.jobs.state import Outcome, attempt_lost
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
-from service.api.scheduling.passlock import one_pass
+from service.api.scheduling.passlock import StorePass, one_pass
 from service.api.streams.notify import publish_status, signal_stop
-from trainer.events import Keys
 from worker.message import broker_queue, worker_queue
 
 __all__ = ["Reconciler"]
@@ -61,7 +60,9 @@ BROKER_CHUNK = 1000
 _TAG = re.compile(rb"\(job ([0-9a-f]{1,64}) attempt ([0-9]{1,9}) node ([0-9]{1,9})\)")
 
 
-class Reconciler:
+class Reconciler(StorePass):
+    lock_name = "reconcile"
+
     def __init__(
         self,
         settings: Settings,
@@ -69,12 +70,7 @@ class Reconciler:
         redis: Any,
         dispatcher: Dispatcher,
     ) -> None:
-        self.settings = settings
-        self.sessions = sessions
-        self.redis = redis
-        self.dispatcher = dispatcher
-        self.keys = Keys(settings.redis_prefix)
-        self.lock_key = f"{settings.redis_prefix}:reconcile:lock"
+        super().__init__(settings, sessions, redis, dispatcher)
         self._dispatched_after = 0
         self._suspects: set[tuple[str, int]] = set()
         self._orphans_at = 0.0

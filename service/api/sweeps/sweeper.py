@@ -27,22 +27,20 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service.api.core.auth import Principal
 from service.api.core.errors import TrainqError
 from service.api.core.models import JOBS, METRICS, SWEEPS, TERMINAL, utcnow
-from service.api.core.settings import Settings
 from service.api.events.record import record_event
 from service.api.jobs import crud
 from service.api.jobs.schemas import JobSpec
 from service.api.jobs.state import STOPPED_EARLY, Outcome, stop_early
-from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
+from service.api.scheduling.dispatch import dispatch_attempts
 from service.api.scheduling.limits import check_run_disk
-from service.api.scheduling.passlock import one_pass
+from service.api.scheduling.passlock import StorePass, one_pass
 from service.api.streams.notify import publish_status, signal_cancel
 from service.api.sweeps import search, space
-from trainer.events import Keys
 
 __all__ = ["Sweeper", "finish_sweep", "trial_number"]
 
@@ -95,20 +93,8 @@ class _Pass:
         self.stopping: list[str] = []
 
 
-class Sweeper:
-    def __init__(
-        self,
-        settings: Settings,
-        sessions: sessionmaker[Session],
-        redis: Any,
-        dispatcher: Dispatcher,
-    ) -> None:
-        self.settings = settings
-        self.sessions = sessions
-        self.redis = redis
-        self.dispatcher = dispatcher
-        self.keys = Keys(settings.redis_prefix)
-        self.lock_key = f"{settings.redis_prefix}:sweeps:lock"
+class Sweeper(StorePass):
+    lock_name = "sweeps"
 
     def run_once(self) -> int | None:
         """One pass over the running sweeps, if no other replica holds the lock; the number
