@@ -125,10 +125,8 @@ def hf_config(cfg: AnyModelConfig) -> dict[str, Any]:
     if not isinstance(cfg, LlamaConfig | ModelConfig):
         raise ConfigError(f"family {cfg.family}: Hugging Face weights map for gpt, llama and moe")
     common = {"vocab_size": cfg.vocab_size, "bos_token_id": None, "eos_token_id": None}
-    if isinstance(cfg, MoeConfig):
-        return {
-            "model_type": "mixtral",
-            "architectures": ["MixtralForCausalLM"],
+    if isinstance(cfg, LlamaConfig):  # moe: Llama blocks whose feed-forward is experts
+        llama = {
             **common,
             "hidden_size": cfg.d_model,
             "intermediate_size": cfg.hidden,
@@ -141,28 +139,22 @@ def hf_config(cfg: AnyModelConfig) -> dict[str, Any]:
             "rms_norm_eps": cfg.norm_eps,
             "hidden_act": "silu",
             "tie_word_embeddings": cfg.tie_embeddings,
-            "num_local_experts": cfg.n_experts,
-            "num_experts_per_tok": cfg.top_k,
-            "router_aux_loss_coef": cfg.aux_loss_coef,
-            "router_jitter_noise": 0.0,
-            "sliding_window": None,
         }
-    if isinstance(cfg, LlamaConfig):
+        if isinstance(cfg, MoeConfig):
+            return {
+                "model_type": "mixtral",
+                "architectures": ["MixtralForCausalLM"],
+                **llama,
+                "num_local_experts": cfg.n_experts,
+                "num_experts_per_tok": cfg.top_k,
+                "router_aux_loss_coef": cfg.aux_loss_coef,
+                "router_jitter_noise": 0.0,
+                "sliding_window": None,
+            }
         return {
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
-            **common,
-            "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.hidden,
-            "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head,
-            "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.d_model // cfg.n_head,
-            "max_position_embeddings": cfg.seq_len,
-            "rope_theta": cfg.rope_theta,
-            "rms_norm_eps": cfg.norm_eps,
-            "hidden_act": "silu",
-            "tie_word_embeddings": cfg.tie_embeddings,
+            **llama,
             "attention_bias": False,
             "mlp_bias": False,
         }
