@@ -29,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import dashboard
 from service.api.checkpoints import router as checkpoint_routes
@@ -288,6 +289,17 @@ def _install_handlers(app: FastAPI) -> None:
         log.warning("request too deeply nested: %s", exc)
         msg = "the request is nested too deeply"
         return _error(422, [{"loc": ["body"], "msg": msg, "type": "value_error"}])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI answers a body it cannot decode (bytes that are not UTF-8 JSON) with a 400
+        # of its own; every route documents a body it refuses as a 422 naming the body.
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            msg = "the body is not JSON (UTF-8 encoded)"
+            return _error(422, [{"loc": ["body"], "msg": msg, "type": "json_invalid"}])
+        response = _error(exc.status_code, exc.detail)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

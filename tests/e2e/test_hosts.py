@@ -194,8 +194,10 @@ def test_two_hosts_train_like_one_and_a_host_lost_mid_run_resumes_exactly_elsewh
             float(SETTINGS[k]) for k in ("TRAINQ_HEARTBEAT_TTL_S", "TRAINQ_HEARTBEAT_GRACE_S")
         )
         print(f"\nhost lost -> attempt 1 {first['reason']} after {took:.1f} s (ttl+grace {ttl:g})")
-        assert first["reason"] == "lost", first
-        assert took <= ttl + 5, "the heartbeat expiry, not a collective's timeout, ended it"
+        # Ended by the victim's heartbeat expiring (lost), or sooner by the surviving node's
+        # ranks failing on their vanished peers (exit_code); never by a collective's timeout.
+        assert first["reason"] in ("lost", "exit_code"), first
+        assert took <= ttl + 5, "the heartbeat expiry or the peers' failure ended it"
         second = cluster.placed(job_id, 2, 2)
         assert victim not in {cluster.on[w] for w in second.values()}
         assert _endpoint_host(cluster, job_id, 2) == cluster.on[second[0]].address
