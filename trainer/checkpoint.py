@@ -183,7 +183,7 @@ def save_checkpoint(
     root = run_dir / "checkpoints"
     tmp = root / f"tmp-step-{progress.step}"
     final = root / f"step-{progress.step}"
-    _fenced(fence, progress.step, model)
+    _fenced(fence, progress.step)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save left it half written
         make_dirs(root)
@@ -206,7 +206,7 @@ def save_checkpoint(
             " files were removed (checkpoint.keep and checkpoint.hf set how much a run keeps)"
         )
     barrier()  # every rank's files are in tmp before it becomes a checkpoint
-    _fenced(fence, progress.step, model)
+    _fenced(fence, progress.step)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # an incomplete one without DONE
         tmp.rename(final)
@@ -219,7 +219,7 @@ def save_checkpoint(
     return final
 
 
-def _fenced(fence: Fence | None, step: int, model: nn.Module) -> None:
+def _fenced(fence: Fence | None, step: int) -> None:
     """Rank 0 asks the fence, and every rank learns its answer, word for word (one broadcast):
     the whole superseded attempt stops together with one reason, so no rank of it records a
     crash (exit.json) in a run folder that is the next attempt's now."""
