@@ -221,6 +221,18 @@ REPLACES: dict[str, tuple[str, ...]] = {
 }
 
 
+def drop_replaced(spec: dict[str, Any], path: str) -> None:
+    """Remove from a spec (plain JSON) the alternatives a value set at ``path`` replaces
+    (``REPLACES``), which the API would refuse beside it: ``--set`` and a sweep's trials."""
+    for other in REPLACES.get(path, ()):
+        *parents, leaf = other.split(".")
+        node: Any = spec
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+
+
 class BatchConfig(_Strict):
     micro_batch_size: int = Field(8, ge=1, le=65536)
     grad_accum_steps: int = Field(1, ge=1, le=4096)

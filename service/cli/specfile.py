@@ -31,7 +31,7 @@ def apply_override(spec: dict[str, Any], assignment: str) -> None:
 
     A key that names one of several alternatives (``trainer.config.REPLACES``: a dataset
     instead of a data path, say) drops the others, which the API would refuse beside it."""
-    from trainer.config import REPLACES
+    from trainer.config import drop_replaced
 
     path, sep, raw = assignment.partition("=")
     keys = [k.strip() for k in path.split(".")]
@@ -47,17 +47,7 @@ def apply_override(spec: dict[str, Any], assignment: str) -> None:
     value = _scalar(raw)
     node[keys[-1]] = value
     if value is not None:
-        for other in REPLACES.get(".".join(keys), ()):
-            _drop(spec, other.split("."))
-
-
-def _drop(spec: dict[str, Any], keys: list[str]) -> None:
-    """Remove the value at the dotted path ``keys`` if the spec has it."""
-    node: Any = spec
-    for key in keys[:-1]:
-        node = node.get(key) if isinstance(node, dict) else None
-    if isinstance(node, dict):
-        node.pop(keys[-1], None)
+        drop_replaced(spec, ".".join(keys))
 
 
 def load_spec(path: Path, overrides: list[str]) -> dict[str, Any]:

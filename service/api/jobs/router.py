@@ -6,7 +6,6 @@ import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
-from pydantic import ValidationError
 from redis import RedisError
 from starlette.concurrency import run_in_threadpool
 
@@ -16,23 +15,18 @@ from service.api.core.errors import Conflict, InvalidInput, NotFound, PayloadToo
 from service.api.core.inputs import JobId, body_text, media_type, no_duplicate_keys
 from service.api.core.models import TERMINAL
 from service.api.core.responses import errors
-from service.api.datasets.service import resolve_dataset
 from service.api.jobs import crud, job_json
 from service.api.jobs.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary, PlanOut
 from service.api.jobs.state import cancel_job
 from service.api.jobs.submit import submit_one
-from service.api.jobs.tracking import check_tracking, needs_check, with_owner_default
+from service.api.jobs.vet import needs_io, spec_from_payload, vet_spec
 from service.api.scheduling.limits import (
     OwnerLimits,
-    apply_runtime_rules,
-    check_priority,
-    check_run_disk,
 )
 from service.api.scheduling.pending import apending_reason, note_cancelled, pending_reason
 from service.api.scheduling.retention import delete_jobs, starting_from
 from service.api.streams.notify import publish_status, signal_cancel
-from trainer.config import ConfigError, HFModelConfig, reject_nul, resolve_data_path
-from trainer.mesh import layout
+from trainer.config import reject_nul
 from trainer.plan import plan
 from trainer.yamlspec import MAX_DEPTH, SpecSyntaxError, json_depth_ok, load_yaml
 
@@ -74,46 +68,7 @@ def parse_spec(
             raise InvalidInput.at(["body"], f"body is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise InvalidInput.at(["body"], "the job spec must be an object")
-    try:
-        spec = JobSpec.model_validate(payload)
-    except ValidationError as exc:
-        raise InvalidInput.of_body("invalid job spec", exc) from exc
-    train = spec.train
-    if train.data.dataset is None:
-        _check_data_path(train.data.path, data_root, ["data", "path"])
-    elif "path" in train.data.model_fields_set:
-        msg = "give data.dataset (an uploaded dataset) or data.path (a folder), not both"
-        raise InvalidInput.at(["body", "train", "data", "dataset"], msg)
-    if isinstance(train.model, HFModelConfig):
-        _check_data_path(train.model.path, data_root, ["model", "hf", "path"])
-    if train.init is not None and train.init.path is not None:
-        _check_data_path(train.init.path, data_root, ["init", "path"])
-    try:  # fsdp.replicate divides nodes x procs_per_node (trainer.mesh)
-        layout(train, spec.nodes * spec.procs_per_node, spec.nodes)
-    except ConfigError as exc:
-        raise InvalidInput.at(["body", "train", "fsdp", "replicate"], str(exc)) from exc
-    return spec
-
-
-def _check_data_path(path: str, data_root: Any, field: list[str | int]) -> None:
-    """A path of the spec (``train.<field>``) is one a tenant may name: the rule of
-    ``trainer.paths`` (the shared area of the data root, never ``datasets/``, no link).
-    Checked on every submit: the walk is a few ``lstat`` calls, and a cache would let a
-    link made a moment ago through."""
-    name = "train." + ".".join(str(f) for f in field if f != "hf")
-    try:
-        resolve_data_path(path, data_root, field=name)
-    except ConfigError as exc:
-        raise InvalidInput.at(["body", "train", *field], str(exc)) from exc
-
-
-def _check_init_job(services: Services, principal: Principal, job_id: str) -> None:
-    """``train.init.job`` names a job the caller may see (its weights are that job's)."""
-    with services.reader.connect() as session:
-        if not crud.job_exists(session, principal, job_id):
-            raise InvalidInput.at(
-                ["body", "train", "init", "job"], f"job {job_id} not found (or not yours)"
-            )
+    return spec_from_payload(payload, data_root)
 
 
 def _check_limits(
@@ -246,21 +201,13 @@ async def submit_job(
         spec = await run_in_threadpool(parse_spec, *args)
     else:
         spec = parse_spec(*args)
-    if spec.train.init is not None and spec.train.init.job is not None:
-        await run_in_threadpool(_check_init_job, services, principal, spec.train.init.job)
-    if spec.train.data.dataset is not None:  # frozen as its folder (service.api.datasets.service)
-        data_root = services.settings.data_root
-        spec = await run_in_threadpool(resolve_dataset, services.reader, data_root, principal, spec)
-    spec = apply_runtime_rules(spec, services.settings)  # 422, or the queue's default deadline
-    if spec.train.model.family == "hf":  # its shape is read from its config.json
-        disk = await run_in_threadpool(check_run_disk, spec, services.settings)
-    else:
-        disk = check_run_disk(spec, services.settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
     own = await _owner_limits(services, principal)
-    check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
-    spec = with_owner_default(spec, own.tracking)  # train.tracking, when the spec names none
-    if needs_check(spec):  # an outbound URL: resolved, so on a worker thread
-        await run_in_threadpool(check_tracking, spec, services.settings)
+    if needs_io(spec, own):  # a store, a file or DNS to read: on a worker thread
+        spec, disk = await run_in_threadpool(
+            vet_spec, services.settings, services.reader, principal, spec, own
+        )
+    else:
+        spec, disk = vet_spec(services.settings, services.reader, principal, spec, own)
     if dry_run:
         return await run_in_threadpool(_plan_answer, services, spec)
     if services.limits is not None and (own.submits_per_minute or own.max_queued):

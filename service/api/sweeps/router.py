@@ -11,14 +11,8 @@ from service.api.core.auth import Principal
 from service.api.core.deps import PrincipalDep, Services, ServicesDep
 from service.api.core.errors import InvalidInput, NotFound
 from service.api.core.responses import errors
-from service.api.datasets.service import resolve_dataset
 from service.api.jobs.router import parse_spec
-from service.api.scheduling.limits import (
-    OwnerLimits,
-    apply_runtime_rules,
-    check_priority,
-    check_run_disk,
-)
+from service.api.jobs.vet import owner_limits, spec_from_payload, vet_spec
 from service.api.streams.notify import publish_status, signal_cancel
 from service.api.streams.schemas import METRIC_FIELDS
 from service.api.sweeps import crud, space
@@ -43,17 +37,19 @@ def _validate(services: Services, principal: Principal, body: SweepIn) -> dict[s
     """The base spec as a submit checks it (422 at ``base.*``), then the space (``space.*``),
     the metric and the method against it; the resolved base, as JSON."""
     settings = services.settings
+    own = owner_limits(services, principal)
     try:
         spec = parse_spec(json.dumps(body.base).encode(), "application/json", settings.data_root)
-        if spec.train.data.dataset is not None:
-            spec = resolve_dataset(services.reader, settings.data_root, principal, spec)
-        spec = apply_runtime_rules(spec, settings)
-        check_run_disk(spec, settings)
+        spec, _ = vet_spec(settings, services.reader, principal, spec, own)
     except InvalidInput as exc:
         raise _under("base", exc) from exc
-    check_priority(principal, spec.priority, OwnerLimits.merged(settings))
     base = spec.model_dump(mode="json")
-    space.check_space(base, dict(body.space))
+
+    def vet(payload: dict[str, Any]) -> None:
+        trial = spec_from_payload(payload, settings.data_root)
+        vet_spec(settings, services.reader, principal, trial, own)
+
+    space.check_space(base, dict(body.space), vet)
     if body.metric not in ("loss", "val_loss"):
         raise InvalidInput.at(
             ["body", "metric"],

@@ -2,7 +2,9 @@
 
 A path names a field of ``JobSpec`` ("train.optim.lr", "train.batch.micro_batch_size",
 "procs_per_node"); a trial's spec is the sweep's base with its values set at those paths,
-validated as any submitted spec is. Optuna is imported here lazily: the API starts without it.
+checked as any submitted spec is, for the sweep's owner (``service.api.jobs.vet``), when the
+sweep is made (each value of the space) and again when the trial is. Optuna is imported
+here lazily: the API starts without it.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import copy
 import itertools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from service.api.core.errors import InvalidInput
+from service.api.core.errors import Forbidden, InvalidInput
 from service.api.jobs.schemas import JobSpec
 from service.api.sweeps.schemas import Choice, IntRange, Param, Uniform
+from trainer.config import drop_replaced
 
 __all__ = ["VARIABLE", "apply", "check_space", "distributions", "grid", "grid_size"]
 
@@ -53,8 +57,15 @@ def _is_field(path: str) -> bool:
 
 
 def apply(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The base spec with each value set at its dotted path (missing levels created)."""
+    """A trial's spec before its checks: the base with each value set at its dotted path
+    (missing levels created). A value drops the alternatives it replaces, as ``--set`` does
+    (``trainer.config.REPLACES``: a dataset for a data path, a job for an init path); and a
+    dataset's folder, frozen in the base, is left out to be resolved again for the trial's
+    owner (``service.api.jobs.vet``)."""
     spec = copy.deepcopy(base)
+    data = spec.get("train", {}).get("data")
+    if isinstance(data, dict) and data.get("dataset") is not None:
+        data.pop("path", None)
     for path, value in params.items():
         node = spec
         *parents, leaf = path.split(".")
@@ -64,6 +75,8 @@ def apply(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
                 child = node[part] = {}
             node = child
         node[leaf] = value
+        if value is not None:
+            drop_replaced(spec, path)
     return spec
 
 
@@ -74,9 +87,12 @@ def _samples(param: Param) -> list[Any]:
     return [param.low, param.high]
 
 
-def check_space(base: dict[str, Any], space: dict[str, Param]) -> None:
+def check_space(
+    base: dict[str, Any], space: dict[str, Param], vet: Callable[[dict[str, Any]], object]
+) -> None:
     """InvalidInput naming ``space.<path>`` for a path that is no spec field, a range that is
-    empty, or a value that makes the spec invalid."""
+    empty, or a value that makes a spec its owner may not submit: each value tried (every
+    choice, both ends of a range) goes through ``vet``, every check a submit makes."""
     for path, param in space.items():
         where: list[str | int] = ["body", "space", path]
         if not _is_field(path) or path.split(".")[0] not in VARIABLE:
@@ -93,12 +109,14 @@ def check_space(base: dict[str, Any], space: dict[str, Param]) -> None:
             raise InvalidInput.at(where, "a log scale needs low > 0")
         for value in _samples(param):
             try:
-                JobSpec.model_validate(apply(base, {path: value}))
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                loc = ".".join(str(p) for p in first["loc"])
+                vet(apply(base, {path: value}))
+            except (InvalidInput, Forbidden) as exc:
+                errors = getattr(exc, "errors", None) or [{"loc": [], "msg": str(exc)}]
+                loc = ".".join(str(p) for p in errors[0]["loc"] if p != "body")
                 raise InvalidInput.at(
-                    where, f"the value {value!r} makes an invalid spec: {loc}: {first['msg']}"
+                    where,
+                    f"the value {value!r} makes a spec that cannot be submitted:"
+                    f" {loc + ': ' if loc else ''}{errors[0]['msg']}",
                 ) from exc
 
 

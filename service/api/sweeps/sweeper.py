@@ -21,12 +21,12 @@ that dies anywhere before leaves nothing proposed, and a trial proposed is in th
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any
 
-from pydantic import ValidationError
-from sqlalchemy import select, update
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from service.api.core.auth import Principal
@@ -34,10 +34,10 @@ from service.api.core.errors import TrainqError
 from service.api.core.models import JOBS, METRICS, SWEEPS, TERMINAL, utcnow
 from service.api.events.record import record_event
 from service.api.jobs import crud
-from service.api.jobs.schemas import JobSpec
 from service.api.jobs.state import STOPPED_EARLY, Outcome, stop_early
+from service.api.jobs.vet import spec_from_payload, vet_spec
 from service.api.scheduling.dispatch import dispatch_attempts
-from service.api.scheduling.limits import check_run_disk
+from service.api.scheduling.limits import OwnerLimitsCache
 from service.api.scheduling.passlock import StorePass, one_pass
 from service.api.streams.notify import publish_status, signal_cancel
 from service.api.sweeps import search, space
@@ -95,6 +95,10 @@ class _Pass:
 
 class Sweeper(StorePass):
     lock_name = "sweeps"
+
+    @functools.cached_property
+    def owners(self) -> OwnerLimitsCache:
+        return OwnerLimitsCache(self.settings)
 
     def run_once(self) -> int | None:
         """One pass over the running sweeps, if no other replica holds the lock; the number
@@ -176,16 +180,19 @@ class Sweeper(StorePass):
         limit = limit_of(row)
         dists = space.distributions(row.space)
         owner = Principal(row.owner)
+        reader, data_root = session.get_bind(), self.settings.data_root
+        assert isinstance(reader, Engine)  # reads of its own, beside this transaction
+        own = self.owners.get(reader.connect, row.owner)
         while active < row.parallelism and proposed < limit:
             if row.method == "grid":
                 study.enqueue_trial(space.grid(row.space, proposed))
             trial = study.ask(dists)
             proposed += 1
-            try:
-                spec = JobSpec.model_validate(space.apply(row.base, trial.params))
-                disk = check_run_disk(spec, self.settings)
-            except (ValidationError, TrainqError) as exc:  # allowed by the space, not the spec
-                log.info("sweep %s trial %d is not a valid spec: %s", row.id, trial.number, exc)
+            try:  # every check of a submit, for the owner, now (service.api.jobs.vet)
+                spec = spec_from_payload(space.apply(row.base, trial.params), data_root)
+                spec, disk = vet_spec(self.settings, reader, owner, spec, own)
+            except TrainqError as exc:  # allowed by the space, not (or no longer) by the spec
+                log.info("sweep %s trial %d cannot be submitted: %s", row.id, trial.number, exc)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 continue
             made = crud.job_row(owner, spec, f"sweep:{row.id}:{trial.number}", disk)
