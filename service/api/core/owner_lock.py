@@ -1,7 +1,7 @@
 """A lock per owner that holds across API replicas: one row per owner in a lock table
-(``dataset_owners`` for dataset quotas, ``job_owners`` for the runs' room), upserted first
-in the transaction, so the row lock (PostgreSQL) or the write lock (SQLite) is held to the
-commit and that owner's checks run one after another.
+(``dataset_owners`` for dataset quotas, ``job_owners`` for the runs' room and the count of
+webhooks), upserted first in the transaction, so the row lock (PostgreSQL) or the write lock
+(SQLite) is held to the commit and that owner's checks run one after another.
 """
 
 from __future__ import annotations

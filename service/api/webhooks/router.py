@@ -15,7 +15,15 @@ from sqlalchemy.orm import Session
 from service.api.core.auth import Principal
 from service.api.core.deps import PrincipalDep, Services, ServicesDep
 from service.api.core.errors import InvalidInput, NotFound
-from service.api.core.models import EVENTS, WEBHOOK_DELIVERIES, WEBHOOKS, new_job_id, utcnow
+from service.api.core.models import (
+    EVENTS,
+    JOB_OWNERS,
+    WEBHOOK_DELIVERIES,
+    WEBHOOKS,
+    new_job_id,
+    utcnow,
+)
+from service.api.core.owner_lock import lock_owner
 from service.api.core.responses import errors
 from service.api.webhooks.schemas import (
     DeliveryList,
@@ -72,6 +80,8 @@ def create_webhook(services: ServicesDep, principal: PrincipalDep, body: Webhook
     now = utcnow()
     secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
     with services.sessions() as session, session.begin():
+        # first: this owner's creates one at a time across replicas, so the count holds
+        lock_owner(session, JOB_OWNERS, principal.name)
         count = session.execute(
             select(func.count()).select_from(WEBHOOKS).where(WEBHOOKS.c.owner == principal.name)
         ).scalar_one()
