@@ -99,3 +99,21 @@ def test_each_trial_is_checked_again_when_the_sweeper_makes_it(api: Api) -> None
     assert sweep["trials"] == [], sweep
     assert sweep["proposed"] == 2 and sweep["status"] == "finished", sweep
     assert api.client.get("/v1/jobs", headers=bob).json()["items"] == []
+
+
+def test_an_admins_sweep_keeps_its_rights_while_its_admin_token_lives(api: Api) -> None:
+    """Trials are checked as their owner: an admin's sweep above the priority others may use
+    makes its trials (a request-less check must not take the admin for a plain owner)."""
+    admin = api.headers(api.admin_token)
+    body = _sweep(api, {"train.optim.lr": _choice(1e-3, 1e-2)})
+    body["base"]["priority"] = api.settings.max_priority + 5
+    made = api.client.post("/v1/sweeps", json=body, headers=admin)
+    assert made.status_code == 201, made.text
+    s = api.services
+    Sweeper(s.settings, s.sessions, s.redis, s.dispatcher).run_once()
+    sweep = api.client.get(f"/v1/sweeps/{made.json()['id']}", headers=admin).json()
+    assert len(sweep["trials"]) == 2, sweep
+    for trial in sweep["trials"]:
+        job = api.client.get(f"/v1/jobs/{trial['job_id']}", headers=admin).json()
+        assert job["priority"] == api.settings.max_priority + 5
+        api.client.post(f"/v1/jobs/{trial['job_id']}/cancel", headers=admin)

@@ -34,6 +34,7 @@ __all__ = [
     "create_token",
     "hash_token",
     "list_tokens",
+    "owner_principal",
     "revoke_tokens",
 ]
 
@@ -51,6 +52,21 @@ class Principal:
 
 # With TRAINQ_AUTH=off every caller is this one admin.
 ANONYMOUS = Principal("anonymous", admin=True)
+
+
+def owner_principal(conn: Connection | Session, owner: str, auth_enabled: bool) -> Principal:
+    """The principal an owner acts as when no request carries its token (a sweep's trials,
+    made by the sweeper): an admin while it holds a live admin token (tokens may share a
+    name), so a revoked admin token stops giving its sweeps admin rights; every owner is an
+    admin with TRAINQ_AUTH=off, as every caller is then."""
+    if not auth_enabled:
+        return Principal(owner, admin=True)
+    admin = conn.execute(
+        select(ApiToken.id)
+        .where(ApiToken.name == owner, ApiToken.admin.is_(True), ApiToken.revoked_at.is_(None))
+        .limit(1)
+    ).first()
+    return Principal(owner, admin=admin is not None)
 
 
 def hash_token(token: str) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
-from service.api.core.auth import Principal
+from service.api.core.auth import owner_principal
 from service.api.core.errors import TrainqError
 from service.api.core.models import JOBS, METRICS, SWEEPS, TERMINAL, utcnow
 from service.api.events.record import record_event
@@ -179,7 +179,7 @@ class Sweeper(StorePass):
         proposed = row.proposed
         limit = limit_of(row)
         dists = space.distributions(row.space)
-        owner = Principal(row.owner)
+        owner = owner_principal(session, row.owner, self.settings.auth_enabled)
         reader, data_root = session.get_bind(), self.settings.data_root
         assert isinstance(reader, Engine)  # reads of its own, beside this transaction
         own = self.owners.get(reader.connect, row.owner)
