@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench._torchrun import launch, torchrun
 from bench.sft_packing import WORDS, conversations
+from tests.tiny_hf import qwen2_model, qwen2_tokenizer
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -40,33 +41,10 @@ TEMPLATE = (
 
 def build(root: Path, seq_len: int) -> None:
     """root/tok (tokenizer.json, tokenizer_config.json) and root/qwen (the model)."""
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator([" ".join([*WORDS, "user", "assistant", "system"])] * 50, trainer)
-    (root / "tok").mkdir(parents=True)
-    tok.save(str(root / "tok" / "tokenizer.json"))
-    config = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    (root / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
-    qwen = Qwen2Config(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=seq_len, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(qwen).save_pretrained(root / "qwen")
+    lines = [" ".join([*WORDS, "user", "assistant", "system"])] * 50
+    vocab = qwen2_tokenizer(root / "tok", lines, TEMPLATE, vocab_size=320,
+                            pad_token="<|endoftext|>")  # fmt: skip
+    qwen2_model(root / "qwen", vocab, width=64, max_positions=seq_len)
 
 
 def step_times(stamps: list[float], samples: list[tuple[float, float]], warmup: int

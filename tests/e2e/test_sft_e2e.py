@@ -26,6 +26,7 @@ import pytest
 
 from tests.e2e.system import Api, System, create_token, wait_for
 from tests.e2e.test_datasets_e2e import trainq
+from tests.tiny_hf import qwen2_model, qwen2_tokenizer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -135,42 +136,9 @@ def test_a_chat_dataset_uploads_with_its_report_and_bad_lines_by_number(
 
 
 def _tokenizer(folder: Path, template: str = TEMPLATE) -> int:
-    """A byte-level BPE tokenizer trained here, shaped as Qwen2's (transformers loads a qwen2
-    folder's tokenizer as its Qwen2Tokenizer: NFC, Qwen's split, byte-level), the template in
-    its tokenizer_config.json; its size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    )  # fmt: skip
-    tok.train_from_iterator([" ".join([*WORDS, "user", "bot", "?", "."])] * 20, trainer)
-    folder.mkdir(parents=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return int(tok.get_vocab_size())
-
-
-def _qwen2(folder: Path, vocab: int) -> None:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    """The Qwen2-shaped tokenizer of these conversations, ``template`` its chat template."""
+    lines = [" ".join([*WORDS, "user", "bot", "?", "."])] * 20
+    return qwen2_tokenizer(folder, lines, template, vocab_size=300, pad_token="<|im_end|>")
 
 
 def _conversations(n: int) -> list[str]:
@@ -193,7 +161,7 @@ def test_conversations_fine_tuned_with_lora_serve_as_the_download_generates(
 
     tag = uuid.uuid4().hex[:6]
     vocab = _tokenizer(sft.data_root / f"chat-tok-{tag}")
-    _qwen2(sft.data_root / f"chat-qwen-{tag}", vocab)
+    qwen2_model(sft.data_root / f"chat-qwen-{tag}", vocab, width=32, max_positions=128)
     chats = tmp_path / "convos.jsonl"
     chats.write_text("\n".join(_conversations(120)) + "\n", encoding="utf-8")
     up = trainq(
