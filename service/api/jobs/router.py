@@ -32,7 +32,7 @@ from service.api.scheduling.pending import apending_reason, note_cancelled, pend
 from service.api.scheduling.retention import delete_jobs, starting_from
 from service.api.streams.notify import publish_status, signal_cancel
 from trainer.config import ConfigError, HFModelConfig, reject_nul, resolve_data_path
-from trainer.mesh import layout
+from trainer.mesh import LayoutError, layout
 from trainer.plan import plan
 from trainer.yamlspec import MAX_DEPTH, SpecSyntaxError, json_depth_ok, load_yaml
 
@@ -88,10 +88,10 @@ def parse_spec(
         _check_data_path(train.model.path, data_root, ["model", "hf", "path"])
     if train.init is not None and train.init.path is not None:
         _check_data_path(train.init.path, data_root, ["init", "path"])
-    try:  # fsdp.replicate divides nodes x procs_per_node (trainer.mesh)
+    try:  # fsdp.replicate and expert_parallel divide nodes x procs_per_node (trainer.mesh)
         layout(train, spec.nodes * spec.procs_per_node, spec.nodes)
-    except ConfigError as exc:
-        raise InvalidInput.at(["body", "train", "fsdp", "replicate"], str(exc)) from exc
+    except LayoutError as exc:
+        raise InvalidInput.at(["body", "train", *exc.field.split(".")], str(exc)) from exc
     return spec
 
 
