@@ -149,6 +149,23 @@ def test_moe_resumes_across_expert_parallel_sizes(
             assert got == pytest.approx([want[r["step"]][key] for r in resumed], abs=1e-5), key
 
 
+def test_an_expert_parallel_run_exports_to_mixtral(
+    moe_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    # export checks transformers' MixtralForCausalLM's logits against ours (fails past 1e-4)
+    pytest.importorskip("transformers")
+    from trainer.export import export_checkpoint
+    from trainer.restore import load_model
+
+    diff, step = export_checkpoint(moe_runs["ep"], None, tmp_path / "hf", "hf")
+    assert step == STEPS and diff <= 1e-4
+    ep, _ = load_model(moe_runs["ep"])
+    single, _ = load_model(moe_runs["single"])
+    assert ep.blocks[0].feed_forward.w1.weight.shape[0] == MOE["n_experts"]
+    for (name, a), b in zip(ep.state_dict().items(), single.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-4), name
+
+
 def test_grouped_experts_compute_what_the_expert_loop_does() -> None:
     model = _model(n_experts=8, top_k=3)
     x = torch.randint(0, 256, (4, 32))
