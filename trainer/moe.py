@@ -22,7 +22,9 @@ Each forward leaves its layers' router statistics on the model (`RouterStats`); 
 adds `MoE.router_loss` to the loss and reports `router_metrics`.
 
 Like every model here it knows nothing of processes (no ``torch.distributed``): DDP and FSDP2
-(each block one unit, its experts inside) apply from outside, as for the dense families.
+(each block one unit, its experts inside) apply from outside, as for the dense families, and
+so does expert parallelism, through one hook: `MoEFeedForward.dispatch`, what runs the
+experts on the sorted rows (trainer.parallelize.apply_ep sets it; None: all are local).
 """
 
 from __future__ import annotations
