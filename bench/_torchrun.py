@@ -122,6 +122,20 @@ def launch(
     return Launch(samples, others, usage.ru_maxrss * 1024)  # Linux: KiB
 
 
+def run_bare_loop(
+    script: Path, params: dict[str, Any], work: Path, name: str, nproc: int, timeout: float
+) -> tuple[dict[str, Any], Launch]:
+    """A bare-loop script (bench/models.py's, bench/moe.py's) on ``nproc`` ranks: ``params``
+    written to ``work/NAME.params.json`` (its ``out`` added: where rank 0 writes its result),
+    torchrun ``script`` with that file, then (the result it wrote, the launch)."""
+    out = work / f"{name}.out.json"
+    pfile = work / f"{name}.params.json"
+    pfile.write_text(json.dumps({**params, "out": str(out)}))
+    run = launch([*torchrun(nproc), str(script), str(pfile)], work / f"{name}.log", timeout,
+                 launcher=True)  # fmt: skip
+    return json.loads(out.read_text()), run
+
+
 def step_rates(
     stamps: list[float], warmup: int, tokens_per_step: int, run: Launch, nproc: int
 ) -> tuple[float, float]:

@@ -58,7 +58,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._torchrun import Launch, launch, step_rates, step_records, torchrun  # noqa: E402
+from bench._torchrun import (  # noqa: E402
+    Launch,
+    launch,
+    run_bare_loop,
+    step_rates,
+    step_records,
+    torchrun,
+)
 from trainer.prepare import prepare_demo  # noqa: E402
 
 MIB = 1024 * 1024
@@ -174,8 +181,11 @@ def save_hf_folder(args: argparse.Namespace, folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _config(args: argparse.Namespace, model: dict[str, Any], ac: str = "none") -> dict[str, Any]:
+def _config(
+    args: argparse.Namespace, model: dict[str, Any], ac: str = "none", **train: Any
+) -> dict[str, Any]:
     return {
+        **train,
         "strategy": "ddp",
         "precision": "fp32",
         "steps": args.warmup + args.steps,
@@ -206,10 +216,11 @@ def _result(
 
 def run_ours(
     args: argparse.Namespace, work: Path, kind: str, n: int, model: dict[str, Any], nproc: int,
-    ac: str = "none",
+    ac: str = "none", **train: Any,
 ) -> Result:  # fmt: skip
+    """``train``: more of the spec's top-level fields (``expert_parallel``, say)."""
     cfg = work / f"{kind}-{n}.json"
-    cfg.write_text(json.dumps(_config(args, model, ac)))
+    cfg.write_text(json.dumps(_config(args, model, ac, **train)))
     run_dir = work / f"run-{kind}-{n}"
     tail = ["-m", "trainer", "--config", str(cfg), "--run-dir", str(run_dir),
             "--data-root", str(work / "data")]  # fmt: skip
@@ -226,7 +237,6 @@ def run_ours(
 
 
 def run_bare(args: argparse.Namespace, work: Path, kind: str, n: int) -> Result:
-    out = work / f"{kind}-{n}.out.json"
     params = {
         "impl": "ours" if kind == "bare-llama" else "hf",
         "folder": str(work / "data" / HF_FOLDER),
@@ -238,13 +248,9 @@ def run_bare(args: argparse.Namespace, work: Path, kind: str, n: int) -> Result:
         "seq": args.seq_len,
         "vocab": args.vocab,
         "steps": args.warmup + args.steps,
-        "out": str(out),
     }
-    pfile = work / f"{kind}-{n}.params.json"
-    pfile.write_text(json.dumps(params))
-    argv = [*torchrun(args.nproc), str(work / "bare_loop.py"), str(pfile)]
-    run = launch(argv, work / f"{kind}-{n}.log", args.timeout, launcher=True)
-    got = json.loads(out.read_text())
+    script = work / "bare_loop.py"
+    got, run = run_bare_loop(script, params, work, f"{kind}-{n}", args.nproc, args.timeout)
     return _result(args, args.nproc, got["time"], run, got["loss"])
 
 

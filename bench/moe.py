@@ -17,6 +17,10 @@ stamps, CPU sampling and table):
 2. ``ours-dense``: our llama with ``ffn_hidden = top_k * expert hidden``, the moe's active
    parameters (but the router's), under the same trainer: what the sparsity costs per token.
    Printed, no goal.
+4. ``ours-moe-ep``: ``ours-moe`` with ``expert_parallel`` = the ranks: each rank holds
+   its share of the experts and exchanges the token rows with all-to-alls (gloo) instead
+   of holding them all; against ``ours-moe`` (DDP), printed, no goal: on one machine's
+   CPU it trades the experts' DDP gradient all-reduce for two all-to-alls per layer each way.
 3. grouped vs loop: one moe feed-forward layer (the default shape, 8 x 128 = 1024 tokens a
    forward), forward + backward in this process, ``trainer.moe``'s sorted grouped matmul
    against its transformers-style per-expert ``torch.where`` loop, alternated; median ms.
@@ -28,7 +32,6 @@ ranks, the figure to compare on a shared machine; wall beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._torchrun import launch, torchrun  # noqa: E402
+from bench._torchrun import run_bare_loop  # noqa: E402
 from bench.models import Result, _median, _result, _table, run_ours  # noqa: E402
 from trainer.prepare import prepare_demo  # noqa: E402
 
@@ -136,7 +139,6 @@ def save_mixtral(args: argparse.Namespace, folder: Path) -> tuple[int, int, int]
 
 
 def run_bare(args: argparse.Namespace, work: Path, n: int) -> Result:
-    out = work / f"bare-{n}.out.json"
     params = {
         "folder": str(work / "mixtral"),
         "seed": args.seed,
@@ -147,13 +149,9 @@ def run_bare(args: argparse.Namespace, work: Path, n: int) -> Result:
         "seq": args.seq_len,
         "vocab": args.vocab,
         "steps": args.warmup + args.steps,
-        "out": str(out),
     }
-    pfile = work / f"bare-{n}.params.json"
-    pfile.write_text(json.dumps(params))
-    argv = [*torchrun(args.nproc), str(work / "bare_loop.py"), str(pfile)]
-    run = launch(argv, work / f"bare-{n}.log", args.timeout, launcher=True)
-    got = json.loads(out.read_text())
+    script = work / "bare_loop.py"
+    got, run = run_bare_loop(script, params, work, f"bare-{n}", args.nproc, args.timeout)
     return _result(args, args.nproc, got["time"], run, got["loss"])
 
 
@@ -218,16 +216,18 @@ def main() -> None:
         prepare_demo(work / "data" / "demo")
         total, active, dense = save_mixtral(args, work / "mixtral")
         (work / "bare_loop.py").write_text(BARE_LOOP)
-        kinds = ["ours-moe", "bare-mixtral", "ours-dense"]
+        kinds = ["ours-moe", "ours-moe-ep", "bare-mixtral", "ours-dense"]
         results: dict[str, list[Result]] = {k: [] for k in kinds}
         started = time.monotonic()
         for n in range(args.rounds):
             for kind in kinds if n % 2 == 0 else kinds[::-1]:
                 if kind == "bare-mixtral":
                     r = run_bare(args, work, n)
-                else:
-                    model = _moe(args) if kind == "ours-moe" else _dense(args)
-                    r = run_ours(args, work, kind, n, model, args.nproc)
+                elif kind == "ours-dense":
+                    r = run_ours(args, work, kind, n, _dense(args), args.nproc)
+                else:  # ours-moe-ep: the experts split over the ranks
+                    ep = {"expert_parallel": args.nproc} if kind == "ours-moe-ep" else {}
+                    r = run_ours(args, work, kind, n, _moe(args), args.nproc, **ep)
                 results[kind].append(r)
                 print(f"round {n} {kind:<12} {r.cpu:7.0f} tokens/s cpu, {r.wall:7.0f} wall; "
                       f"other processes used {r.others:4.0%} of the CPUs", flush=True)  # fmt: skip
@@ -254,6 +254,12 @@ def main() -> None:
     print(f"3. one moe layer fwd+bwd, {args.micro_batch * args.seq_len} tokens: grouped "
           f"{g:.2f} ms, loop {lo:.2f} ms: grouped/loop speed {lo / g:.2f}x "
           f"(outputs differ by {diff:.1e})")  # fmt: skip
+    ep = results["ours-moe-ep"]
+    for m in ("cpu", "wall"):
+        print(f"4. ours-moe-ep/ours-moe (expert parallel over {args.nproc} ranks vs DDP) {m}:"
+              f" {_median(ep, m) / _median(ours, m):.3f}x")  # fmt: skip
+    lost = max(abs(a - b) for a, b in zip(ep[0].losses, ours[0].losses, strict=True))
+    print(f"   ep and ddp losses differ by at most {lost:.1e} (round 0)")
 
 
 if __name__ == "__main__":

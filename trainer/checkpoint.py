@@ -3,7 +3,8 @@
 Layout under ``RUN_DIR/checkpoints/``::
 
     step-N/meta.json        step, tokens seen, strategy, world size, model config (rank 0)
-    step-N/model.pt         DDP / one process: full model + optimizer state (rank 0)
+    step-N/model.pt         DDP / one process: full model + optimizer state (rank 0); under
+                            expert parallelism the experts gathered whole first
     step-N/dcp/             FSDP / HSDP: sharded model + optimizer (torch.distributed.checkpoint)
     step-N/scaler.pt        GradScaler state when fp16 (rank 0)
     step-N/rng-rank{r}.pt   each rank's python, numpy, torch (and CUDA) RNG
@@ -47,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.fence import Fence, Superseded
 from trainer.files import make_dirs
-from trainer.parallelize import barrier, unwrap
+from trainer.parallelize import ExpertShard, barrier, expert_shard, unwrap
 
 __all__ = [
     "CheckpointError",
@@ -80,11 +81,18 @@ def checkpoint_bytes(model: nn.Module, world_size: int, *, hf: bool = False) -> 
     parameter counts whole), two AdamW moments of fp32 per trainable parameter, the ranks'
     RNG files; with ``hf``, the Hugging Face folder's weights beside it (fp32)."""
     params = list(model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
+    numel = {id(p): p.numel() * _split(p) for p in params}  # a sliced expert counts whole
+    weights = sum(numel[id(p)] * p.element_size() for p in params)
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
-    moments = sum(2 * 4 * p.numel() for p in params if p.requires_grad)
-    export = sum(4 * p.numel() for p in params) if hf else 0
+    moments = sum(2 * 4 * numel[id(p)] for p in params if p.requires_grad)
+    export = sum(4 * numel[id(p)] for p in params) if hf else 0
     return weights + moments + world_size * RNG_BYTES + export
+
+
+def _split(p: torch.Tensor) -> int:
+    """Over how many ranks ``p``'s experts are split (1: not an expert slice)."""
+    shard = expert_shard(p)
+    return shard.size if shard is not None else 1
 
 
 def _no_space(exc: BaseException, root: Path) -> bool:
@@ -249,9 +257,10 @@ def _write(
     if strategy == "fsdp":
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "dcp")
-    elif rank == 0:
-        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save(state, tmp / "model.pt")
+    else:
+        model_sd, optim_sd = _whole_experts(model, optimizer)  # collective under EP
+        if rank == 0:
+            torch.save({"model": model_sd, "optimizer": optim_sd}, tmp / "model.pt")
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
     if rank == 0:
         if scaler is not None and scaler.is_enabled():
@@ -303,6 +312,7 @@ def load_checkpoint(
             _load_full_into_shards(path / "model.pt", model, optimizer)
         else:
             state = torch.load(path / "model.pt", map_location=device, weights_only=True)
+            _own_experts(state, model, optimizer)
             unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, KeyError, ValueError) as exc:
@@ -347,3 +357,65 @@ def _optimizer_by_name(
                 state[fqn] = saved["state"][index]
         groups.append({**was, "params": fqns})
     return {"state": state, "param_groups": groups}
+
+
+# -- expert parallelism: the experts whole in model.pt, each rank's slice cut at load -------
+
+
+def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, int, Any]]:
+    """(name, position in the optimizer's state dict, parameter) of every expert slice
+    (trainer.parallelize.apply_ep); the positions are the state dict's numbering, over its
+    groups in order."""
+    position = {
+        id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+    }
+    return [
+        (name, position.get(id(p), -1), p)
+        for name, p in unwrap(model).named_parameters()
+        if expert_shard(p) is not None
+    ]
+
+
+def _gather(t: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(shard.size)]
+    dist.all_gather(parts, t.contiguous(), group=shard.group)
+    return torch.cat(parts)
+
+
+def _whole_experts(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state dicts with every expert slice (and its AdamW
+    moments) gathered whole over its group: a checkpoint of an expert-parallel run is the
+    one a DDP run writes, so it resumes at any expert_parallel, strategy or world size and
+    exports as any other. Every rank calls it (the gathers are collective)."""
+    model_sd, optim_sd = unwrap(model).state_dict(), optimizer.state_dict()
+    sliced = _sliced(model, optimizer)
+    if not sliced:
+        return model_sd, optim_sd
+    state = dict(optim_sd["state"])
+    for name, index, p in sliced:
+        shard = expert_shard(p)
+        assert shard is not None
+        model_sd[name] = _gather(p.detach(), shard)
+        if index in state:
+            state[index] = {
+                k: _gather(v, shard) if v.shape == p.shape else v for k, v in state[index].items()
+            }
+    return model_sd, {**optim_sd, "state": state}
+
+
+def _own_experts(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Cut this rank's expert slices (and their AdamW moments) from a whole ``model.pt``,
+    in place; nothing to do without expert parallelism."""
+    for name, index, p in _sliced(model, optimizer):
+        shard = expert_shard(p)
+        assert shard is not None
+        full = state["model"][name]
+        lo, hi = shard.bounds(full.shape[0])
+        state["model"][name] = full[lo:hi]
+        moments = state["optimizer"]["state"].get(index)
+        if moments is not None:
+            state["optimizer"]["state"][index] = {
+                k: v[lo:hi] if v.shape == full.shape else v for k, v in moments.items()
+            }

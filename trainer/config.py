@@ -423,6 +423,10 @@ class TrainConfig(_Strict):
     # every second block (selective, torchtitan's layer-wise option); numerically the same.
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     fsdp: FSDPConfig = FSDPConfig()
+    # moe: the experts of each layer split over groups of this many ranks (expert
+    # parallelism, trainer.parallelize.apply_ep); it divides model.n_experts and the world
+    # size (trainer.mesh). Under strategy ddp only (FSDP2's 2-D mesh with experts is not built).
+    expert_parallel: int = Field(1, ge=1, le=1024)
     init: InitConfig | None = None
     lora: LoraConfig | None = None
     tracking: TrackingConfig | None = None  # experiment trackers (trainer.tracking)
@@ -438,6 +442,21 @@ class TrainConfig(_Strict):
             raise ValueError(
                 "fsdp options (cpu_offload, reshard_after_forward, replicate) need strategy fsdp"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel(self) -> TrainConfig:
+        ep = self.expert_parallel
+        if ep == 1:
+            return self
+        if not isinstance(self.model, MoeConfig):
+            raise ValueError("expert_parallel > 1 needs model.family moe")
+        if self.model.n_experts % ep:
+            raise ValueError(
+                f"expert_parallel ({ep}) must divide model.n_experts ({self.model.n_experts})"
+            )
+        if self.strategy == "fsdp":
+            raise ValueError("expert_parallel > 1 works with strategy ddp only (not yet fsdp)")
         return self
 
     @property

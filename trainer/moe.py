@@ -22,13 +22,17 @@ Each forward leaves its layers' router statistics on the model (`RouterStats`); 
 adds `MoE.router_loss` to the loss and reports `router_metrics`.
 
 Like every model here it knows nothing of processes (no ``torch.distributed``): DDP and FSDP2
-(each block one unit, its experts inside) apply from outside, as for the dense families.
+(each block one unit, its experts inside) apply from outside, as for the dense families, and
+so does expert parallelism, through one hook: `MoEFeedForward.dispatch`, what runs the
+experts on the sorted rows (trainer.parallelize.apply_ep sets it; None: all are local).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +41,15 @@ from torch import nn
 from trainer.config import MoeConfig
 from trainer.llama import INIT_STD, Attention, Llama, LlamaBlock
 
-__all__ = ["GroupedLinear", "MoE", "MoEBlock", "MoEFeedForward", "RouterStats", "load_metrics"]
+__all__ = [
+    "Dispatch",
+    "GroupedLinear",
+    "MoE",
+    "MoEBlock",
+    "MoEFeedForward",
+    "RouterStats",
+    "load_metrics",
+]
 
 # torch._grouped_mm: one kernel for every expert's matmul; older torch: one matmul per slice.
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -53,6 +65,19 @@ class RouterStats:
     prob_sum: torch.Tensor
     z_sum: torch.Tensor
     tokens: int
+
+
+class Dispatch(Protocol):
+    """Expert parallelism's hook: ``rows`` ``[N*top_k, d]`` sorted by expert with
+    ``counts`` ``[E]`` per expert in; the experts' outputs for those rows, in that order, out
+    (``local`` computes this rank's experts on rows sorted by its experts)."""
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor: ...
 
 
 class GroupedLinear(nn.Module):
@@ -85,6 +110,10 @@ class MoEFeedForward(nn.Module):
         self.w3 = GroupedLinear(cfg.n_experts, cfg.d_model, cfg.hidden)  # up
         self.grouped = True  # False: transformers' expert loop (tests, bench/moe.py)
         self.stats: RouterStats | None = None
+        # Set from outside (trainer.parallelize.apply_ep): what runs the experts on the rows
+        # sorted by expert, given the counts per expert and `experts` for the local ones;
+        # None: they are all here.
+        self.dispatch: Dispatch | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router logits ``[N, E]``, the top-k weights (fp32, summing to 1) and experts."""
@@ -111,12 +140,21 @@ class MoEFeedForward(nn.Module):
         order = experts.reshape(-1).argsort(stable=True)  # token copies, grouped by expert
         token = order // self.top_k
         counts = self.stats.counts.long()
-        offsets = counts.cumsum(0).to(torch.int32)
         rows = flat[token]
+        if self.dispatch is None:
+            out = self.experts(rows, counts)
+        else:
+            out = self.dispatch(rows, counts, self.experts)
+        y = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat, dtype=y.dtype).index_add_(0, token, y).to(x.dtype).view(shape)
+
+    def experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU of the experts this module holds, on ``rows`` sorted by expert
+        (``counts[e]`` rows for its e-th expert): one grouped matmul per weight."""
+        offsets = counts.cumsum(0).to(torch.int32)
         sizes = counts.tolist()
         h = F.silu(self.w1(rows, sizes, offsets)) * self.w3(rows, sizes, offsets)
-        y = self.w2(h, sizes, offsets) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(flat, dtype=y.dtype).index_add_(0, token, y).to(x.dtype).view(shape)
+        return self.w2(h, sizes, offsets)
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """transformers' way: per expert, find its tokens, compute, add back."""

@@ -6,19 +6,22 @@ device and a process group: gloo on CPU, nccl on CUDA with the rank's own device
 ``apply_*`` functions wrap a built model (FSDP's is built on the meta device and
 materialized after sharding, torchtitan's order; HSDP is FSDP2 over `build_mesh`'s 2-D
 mesh); `maybe_no_sync` is how gradient
-accumulation skips the gradient reduction on all but the last micro-step.
+accumulation skips the gradient reduction on all but the last micro-step. `apply_ep` splits
+a moe's experts over ranks (expert parallelism, docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -33,20 +36,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from trainer.env import TrainerEnv
+from trainer.moe import MoEFeedForward
 
 __all__ = [
+    "ExpertShard",
     "all_reduce_sum",
     "apply_ac",
     "apply_compile",
     "apply_ddp",
+    "apply_ep",
     "apply_fsdp",
     "barrier",
+    "build_ep_mesh",
     "build_mesh",
     "clip_grad_norm",
     "destroy_distributed",
+    "expert_shard",
     "init_distributed",
     "materialize_fsdp",
     "maybe_no_sync",
+    "sync_expert_grads",
     "unwrap",
 ]
 
@@ -159,6 +168,117 @@ def build_mesh(device: torch.device, shape: tuple[int, int] | None) -> DeviceMes
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """Where a rank's slice of the experts sits: the ``group`` of ``size`` ranks the experts
+    are split over (this rank is its ``index``-th), the ``replicas`` group of the ranks that
+    hold the same slice (None: no other does) and the world size. Set as ``expert_shard`` on
+    each sharded parameter (its dim 0 is the experts), for the gradient sum, the gradient
+    norm and checkpoints (trainer.checkpoint gathers them whole)."""
+
+    group: dist.ProcessGroup
+    replicas: dist.ProcessGroup | None
+    index: int
+    size: int
+    world: int
+
+    def bounds(self, n_experts: int) -> tuple[int, int]:
+        """This rank's experts: ``[lo, hi)`` of ``n_experts``."""
+        per = n_experts // self.size
+        return self.index * per, (self.index + 1) * per
+
+
+def expert_shard(p: torch.Tensor) -> ExpertShard | None:
+    """The `ExpertShard` of a parameter `apply_ep` split; None for every other tensor."""
+    return getattr(p, "expert_shard", None)
+
+
+def build_ep_mesh(device: torch.device, world: int, ep: int) -> DeviceMesh:
+    """Expert parallelism's 2-D mesh ``(replicate, expert)``: groups of ``ep`` consecutive
+    ranks split the experts; the ``world / ep`` groups replicate them."""
+    return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("replicate", "expert"))
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Expert parallelism (before DDP): each `MoEFeedForward` keeps only its slice of the
+    experts (``mesh``'s ``expert`` dimension: rank r of W holds experts ``r*E/W ..
+    (r+1)*E/W-1``, cut from the full, seeded weights) and runs its expert step as
+    dispatch -> local experts -> combine (`_AllToAll`). DDP leaves the sliced weights out of
+    its reduction; `sync_expert_grads` reduces them instead."""
+    replicas = mesh.size(0)
+    shard = ExpertShard(
+        group=mesh.get_group("expert"),
+        replicas=mesh.get_group("replicate") if replicas > 1 else None,
+        index=mesh.get_local_rank("expert"),
+        size=mesh.size(1),
+        world=mesh.size(),
+    )
+    ignore = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoEFeedForward):
+            continue
+        lo, hi = shard.bounds(module.n_experts)
+        for key in ("w1", "w2", "w3"):
+            linear = getattr(module, key)
+            weight = nn.Parameter(
+                linear.weight.detach()[lo:hi].clone(), requires_grad=linear.weight.requires_grad
+            )
+            weight.expert_shard = shard  # type: ignore[attr-defined]
+            linear.weight = weight
+            ignore.append(f"{name}.{key}.weight")
+        module.dispatch = _AllToAll(shard)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
+
+
+class _AllToAll:
+    """Dispatch -> local experts -> combine, dropless (torchtitan's and Megatron's).
+
+    The rows come sorted by expert, so by the rank that holds it: one ``all_to_all_single``
+    of the counts per expert tells every rank what it receives, one of the rows (autograd-
+    aware: the backward is the reverse exchange) sends them. They arrive grouped by source
+    rank, then expert; a stable sort groups them by local expert for the grouped matmul, its
+    inverse puts the results back and the reverse exchange returns them in the order they
+    left."""
+
+    def __init__(self, shard: ExpertShard) -> None:
+        self.shard = shard
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        group, size = self.shard.group, self.shard.size
+        per = counts.numel() // size
+        received = torch.empty_like(counts)  # [source rank, local expert], flattened
+        dist.all_to_all_single(received, counts, group=group)
+        send = counts.view(size, per).sum(1).tolist()
+        by_source = received.view(size, per)
+        recv = by_source.sum(1).tolist()
+        arrived = all_to_all_single_autograd(rows, recv, send, group)
+        expert = torch.arange(per, device=counts.device).repeat(size)
+        order = expert.repeat_interleave(received).argsort(stable=True)
+        out = local(arrived[order], by_source.sum(0))
+        back = out[order.argsort()]
+        return all_to_all_single_autograd(back, send, recv, group)
+
+
+def sync_expert_grads(model: nn.Module) -> None:
+    """The sliced experts' gradients (`apply_ep`), after the step's backward: summed over the
+    ranks that hold the same slice and divided by the world size, the average DDP gives the
+    other parameters (each rank's loss carries a factor of the world size, trainer.train).
+    Their owner saw every token of its expert group through the exchange, so no reduction
+    within the group is needed."""
+    for p in model.parameters():
+        shard = expert_shard(p)
+        if shard is None or p.grad is None:
+            continue
+        if shard.replicas is not None:
+            dist.all_reduce(p.grad, group=shard.replicas)
+        p.grad.div_(shard.world)
+
+
 def apply_fsdp(
     model: nn.Module,
     param_dtype: torch.dtype | None = None,
@@ -249,9 +369,31 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     Under FSDP the grads are sharded DTensors; clip_grad_norm_ reduces their norms across
     ranks and returns a replicated DTensor, hence ``full_tensor``.
     """
+    sharded = [p for p in model.parameters() if p.grad is not None and expert_shard(p)]
+    if sharded:
+        return _clip_with_experts(model, sharded, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(
         model.parameters(), max_norm if max_norm > 0 else float("inf")
     )
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    return float(norm.item())
+
+
+def _clip_with_experts(model: nn.Module, sharded: list[nn.Parameter], max_norm: float) -> float:
+    """`clip_grad_norm` under expert parallelism: the squares of the sliced experts' norms
+    summed over their group (each slice once), added to the replicated parameters'."""
+    shard = expert_shard(sharded[0])
+    assert shard is not None
+    dense = [p.grad for p in model.parameters() if p.grad is not None and not expert_shard(p)]
+    experts = torch.nn.utils.get_total_norm([p.grad for p in sharded if p.grad is not None])
+    squares = experts.square().reshape(1)
+    dist.all_reduce(squares, group=shard.group)
+    total = squares[0]
+    if dense:
+        total = total + torch.nn.utils.get_total_norm(dense).square()
+    norm = total.sqrt()
+    if max_norm > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm.item())

@@ -15,7 +15,13 @@ from typing import Any
 
 from trainer.config import TrainConfig
 from trainer.mesh import layout
-from trainer.plan_memory import Run, device_memory, host_offloaded, parameter_counts
+from trainer.plan_memory import (
+    Run,
+    device_memory,
+    host_offloaded,
+    parameter_counts,
+    split_experts,
+)
 from trainer.plan_shape import model_shape
 
 __all__ = ["RNG_BYTES", "disk", "fits", "plan", "run_disk"]
@@ -127,7 +133,7 @@ def plan(
         fsdp = train.strategy == "fsdp"
         run = Run(
             shape=shape,
-            counts=counts,
+            counts=split_experts(counts, shape, mesh.expert),  # what one rank holds
             tokens=micro,
             world=mesh.shard,  # FSDP shards over the shard dimension only (HSDP replicates)
             fsdp=fsdp,

@@ -7,7 +7,9 @@ width (n_head * head_dim; d for gpt and llama), ``h`` the MLP's hidden width, ``
 bf16/fp16 autocast), ``p`` the bytes of an FSDP-gathered parameter (2 bf16, else 4), ``P``
 all parameters, ``T`` the trainable ones, ``W`` the ranks a parameter is sharded over: the
 world size under fsdp, the shard dimension of the mesh under HSDP (``fsdp.replicate`` > 1,
-trainer.mesh: each shard group holds a whole copy).
+trainer.mesh: each shard group holds a whole copy). Under expert parallelism
+(``expert_parallel`` = N, ddp) ``P``, ``T`` and a block's counts are one rank's: its 1/N of
+each block's experts (`split_experts`; DDP's buckets leave the experts out too).
 
 - weights: ddp ``4P``, plus under autocast the cached half copies of the matmul weights
   (``2 * matmul params``: autocast keeps fp32 weights and casts each once per forward);
@@ -67,12 +69,20 @@ workspaces, allocator fragmentation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainer.config import DEFAULT_LORA_TARGETS, TrainConfig, lora_matches
 from trainer.plan_shape import Linear, Shape
 
-__all__ = ["Counts", "Run", "device_memory", "host_offloaded", "parameter_counts", "peak"]
+__all__ = [
+    "Counts",
+    "Run",
+    "device_memory",
+    "host_offloaded",
+    "parameter_counts",
+    "peak",
+    "split_experts",
+]
 
 FP32 = 4
 
@@ -130,6 +140,23 @@ def parameter_counts(shape: Shape, train: TrainConfig) -> Counts:
         root_trainable=head,
         adapted=frozenset(x.name for x in blocks[largest]),
         head_adapted=head > 0,
+    )
+
+
+def split_experts(counts: Counts, shape: Shape, ep: int) -> Counts:
+    """What one rank holds under expert parallelism (``expert_parallel`` = ``ep``): each
+    block's experts ``1/ep`` of them; their gradients and AdamW state too when they train
+    (LoRA leaves them frozen)."""
+    if ep == 1:
+        return counts
+    gone = shape.expert_block_params - shape.expert_block_params // ep  # per block
+    trains = counts.adapted is None
+    return replace(
+        counts,
+        total=counts.total - shape.n_layer * gone,
+        trainable=counts.trainable - (shape.n_layer * gone if trains else 0),
+        block=counts.block - gone,
+        block_trainable=counts.block_trainable - (gone if trains else 0),
     )
 
 

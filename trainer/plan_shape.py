@@ -67,6 +67,8 @@ class Shape:
     # moe: a block's parameters that one token does not compute with (the experts it is
     # not routed to)
     idle_block_params: int = 0
+    # moe: a block's expert weights (what expert parallelism splits over ranks)
+    expert_block_params: int = 0
 
     @property
     def params(self) -> int:
@@ -244,6 +246,7 @@ def moe_shape(c: MoeConfig) -> Shape:
             (k * h, ("feed_forward.w2",)),
         ),
         idle_block_params=3 * d * h * (e - k),
+        expert_block_params=3 * d * h * e,
     )
 
 

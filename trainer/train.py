@@ -56,13 +56,16 @@ from trainer.parallelize import (
     apply_ac,
     apply_compile,
     apply_ddp,
+    apply_ep,
     apply_fsdp,
+    build_ep_mesh,
     build_mesh,
     clip_grad_norm,
     destroy_distributed,
     init_distributed,
     materialize_fsdp,
     maybe_no_sync,
+    sync_expert_grads,
 )
 
 __all__ = ["build_optimizer", "lr_at", "train"]
@@ -284,6 +287,9 @@ def _run(
         trainable, total = lora_param_count(gpt)
         _say(env, f"LoRA: {trainable:,} trainable of {total:,} parameters "
                   f"({100 * trainable / total:.2f}%)")  # fmt: skip
+    ep = cfg.expert_parallel if env.distributed else 1  # layout(): 1 alone, or a spec_error
+    if ep > 1:  # each rank keeps its slice of the experts it drew whole (one process's init)
+        apply_ep(gpt, build_ep_mesh(device, world, ep))
     apply_ac(gpt, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(gpt)
@@ -325,7 +331,7 @@ def _run(
         _say(env, f"resumed from {ckpt} at step {progress.step}")
     else:
         _say(env, f"{n_params:,} parameters, {strategy} x{world}, {cfg.precision}, {device}")
-    if mesh is not None and mesh.strategy == "hsdp":
+    if mesh is not None and (mesh.strategy == "hsdp" or mesh.expert > 1):
         _say(env, f"layout: {mesh.describe()}")
     sampler = BatchSampler(train_data, B, accum, env.rank, world, cfg.seed)
     masked = train_data.masks is not None or train_data.packed
@@ -403,6 +409,8 @@ def _run(
                 if last:  # the step's one collective travels while the last backward runs
                     shared = Shared(loss_sum, stop.requested, router)
                 scaler.scale(loss).backward()
+        if ep > 1:
+            sync_expert_grads(gpt)
         loss_total, stop_votes, router_sums = shared.result()
         loss_value, done = loss_total / world, step + 1
         if not math.isfinite(loss_value):

@@ -305,3 +305,47 @@ def test_hsdp_replicate_is_checked_and_shards_within_a_node(api: Api) -> None:
         "shard": 2,
     }
     assert _my_jobs(api) == []
+
+
+MOE = {**TINY, "family": "moe", "n_kv_head": 2, "ffn_hidden": 48, "n_experts": 4, "top_k": 2}
+
+
+@pytest.mark.parametrize(
+    ("train", "loc", "says"),
+    [
+        (  # 3 divides the 6 experts but not the 4 ranks
+            {"model": {**MOE, "n_experts": 6}, "expert_parallel": 3},
+            ["expert_parallel"],
+            "must divide the world size (4",
+        ),
+        ({"model": {**MOE, "n_experts": 6}, "expert_parallel": 4}, [], "model.n_experts (6)"),
+        ({"model": TINY, "expert_parallel": 2}, [], "needs model.family moe"),
+        ({"model": MOE, "expert_parallel": 2, "strategy": "fsdp"}, [], "strategy ddp only"),
+    ],
+)
+def test_bad_expert_parallel_is_a_422_naming_it(
+    api: Api, train: dict[str, Any], loc: list[str], says: str
+) -> None:
+    body = {"name": "ep", "queue": api.queue, "procs_per_node": 4, "train": train}
+    for params in ({"dry_run": "true"}, {}):
+        resp = api.client.post("/v1/jobs", params=params, json=body, headers=api.headers())
+        assert resp.status_code == 422, resp.text
+        detail = resp.json()["detail"][0]
+        assert detail["loc"] == ["body", "train", *loc] and "expert_parallel" in detail["msg"]
+        assert says in detail["msg"], detail
+    assert _my_jobs(api) == [] and _broker_len(api) == 0
+
+
+def test_expert_parallel_plans_a_rank_holding_its_share_of_the_experts(api: Api) -> None:
+    got = {}
+    for ep in (1, 2):
+        body = {**_body(api, model=MOE, expert_parallel=ep), "procs_per_node": 2}
+        got[ep] = _plan(api, body)
+    one, two = got[1], got[2]
+    assert one["parameters"] == two["parameters"]  # the model's, whatever holds it
+    assert "split over groups of 2" in two["layout"]["describe"]
+    experts = 2 * 3 * 32 * 48 * 4  # 2 layers of 4 SwiGLU experts, 32 wide, 48 hidden
+    for term, per_param in (("weights", 4), ("optimizer", 8)):
+        assert one["memory"]["device"][term] - two["memory"]["device"][term] == (
+            per_param * experts // 2
+        ), term

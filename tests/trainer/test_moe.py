@@ -36,6 +36,7 @@ MOE: dict[str, Any] = {
     "router_z_loss_coef": 0.001,
 }
 STEPS = 6
+EP = {"expert_parallel": 2}
 ROUTER_METRICS = ("aux_loss", "router_z_loss", "expert_load_max", "expert_load_cv")
 
 
@@ -67,6 +68,7 @@ def moe_runs(
         "single": (moe_config(), 1),
         "ddp": (moe_config(batch=half), 2),
         "fsdp_ac": (moe_config(strategy="fsdp", batch=half, activation_checkpointing="full"), 2),
+        "ep": (moe_config(batch=half, **EP), 2),  # the experts split over the 2 ranks
     }
     for name, (cfg, n) in configs.items():
         code, out = runs.run(cfg, tmp / name, data_root, subprocess_env, nproc=n)
@@ -91,7 +93,7 @@ def test_moe_trains_and_reports_its_router(moe_runs: dict[str, Path]) -> None:
         assert 1.9 <= record["aux_loss"] <= 4, record
 
 
-@pytest.mark.parametrize("other", ["ddp", "fsdp_ac"])
+@pytest.mark.parametrize("other", ["ddp", "fsdp_ac", "ep"])
 def test_moe_one_process_ddp_and_fsdp_with_ac_agree(moe_runs: dict[str, Path], other: str) -> None:
     single, got = runs.metrics(moe_runs["single"]), runs.metrics(moe_runs[other])
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in single], abs=1e-4)
@@ -116,6 +118,52 @@ def test_moe_resumes_exactly(
     for r in runs.metrics(run_dir):
         assert r["loss"] == straight[r["step"]]["loss"]
         assert r["aux_loss"] == straight[r["step"]]["aux_loss"]
+
+
+@pytest.mark.parametrize(("source", "nproc", "extra"), [("ep", 1, {}), ("single", 2, EP)])
+def test_moe_resumes_across_expert_parallel_sizes(
+    moe_runs: dict[str, Path],
+    data_root: Path,
+    tmp_path: Path,
+    subprocess_env: dict[str, str],
+    source: str,
+    nproc: int,
+    extra: dict[str, Any],
+) -> None:
+    # EP=2's step-3 checkpoint resumed by one process (EP=1), and one process's resumed
+    # with EP=2: steps 4..6 are the straight runs' (the experts are stored whole).
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(moe_runs[source] / "checkpoints" / "step-3", run_dir / "checkpoints" / "step-3")
+    batch = {"micro_batch_size": 8 // nproc, "grad_accum_steps": 1}
+    code, out = runs.run(moe_config(batch=batch, **extra), run_dir, data_root, subprocess_env,
+                         nproc=nproc)  # fmt: skip
+    assert code == 0, out
+    assert "at step 3" in out
+    resumed = runs.metrics(run_dir)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for straight in ("single", "ep"):
+        want = {r["step"]: r for r in runs.metrics(moe_runs[straight])}
+        for key in ("loss", "aux_loss"):
+            got = [r[key] for r in resumed]
+            assert got == pytest.approx([want[r["step"]][key] for r in resumed], abs=1e-5), key
+
+
+def test_an_expert_parallel_run_exports_to_mixtral(
+    moe_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    # export checks transformers' MixtralForCausalLM's logits against ours (fails past 1e-4)
+    pytest.importorskip("transformers")
+    from trainer.export import export_checkpoint
+    from trainer.restore import load_model
+
+    diff, step = export_checkpoint(moe_runs["ep"], None, tmp_path / "hf", "hf")
+    assert step == STEPS and diff <= 1e-4
+    ep, _ = load_model(moe_runs["ep"])
+    single, _ = load_model(moe_runs["single"])
+    assert ep.blocks[0].feed_forward.w1.weight.shape[0] == MOE["n_experts"]
+    for (name, a), b in zip(ep.state_dict().items(), single.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-4), name
 
 
 def test_grouped_experts_compute_what_the_expert_loop_does() -> None:

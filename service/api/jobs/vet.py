@@ -35,7 +35,7 @@ from service.api.scheduling.limits import (
     check_run_disk,
 )
 from trainer.config import ConfigError, HFModelConfig, resolve_data_path
-from trainer.mesh import layout
+from trainer.mesh import LayoutError, layout
 
 __all__ = ["needs_io", "owner_limits", "spec_from_payload", "vet_spec"]
 
@@ -56,10 +56,10 @@ def spec_from_payload(payload: dict[str, Any], data_root: Any) -> JobSpec:
         _check_data_path(train.model.path, data_root, ["model", "hf", "path"])
     if train.init is not None and train.init.path is not None:
         _check_data_path(train.init.path, data_root, ["init", "path"])
-    try:  # fsdp.replicate divides nodes x procs_per_node (trainer.mesh)
+    try:  # fsdp.replicate and expert_parallel divide nodes x procs_per_node (trainer.mesh)
         layout(train, spec.nodes * spec.procs_per_node, spec.nodes)
-    except ConfigError as exc:
-        raise InvalidInput.at(["body", "train", "fsdp", "replicate"], str(exc)) from exc
+    except LayoutError as exc:
+        raise InvalidInput.at(["body", "train", *exc.field.split(".")], str(exc)) from exc
     return spec
 
 
