@@ -22,7 +22,7 @@ import ipaddress
 import socket
 import urllib.parse
 
-__all__ = ["OutboundRefused", "address_refusal", "check_url", "pinned_addresses"]
+__all__ = ["OutboundRefused", "Unresolved", "address_refusal", "check_url", "pinned_addresses"]
 
 _METADATA = frozenset(
     {
@@ -39,6 +39,10 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 class OutboundRefused(ValueError):
     """A URL or an address trainq will not send to; the message says why."""
+
+
+class Unresolved(OutboundRefused):
+    """A host name that does not resolve (now: it may later)."""
 
 
 def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -137,7 +141,7 @@ def pinned_addresses(host: str, port: int, *, allow_private: bool = False) -> li
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise OutboundRefused(f"{host} does not resolve: {exc}") from None
+        raise Unresolved(f"{host} does not resolve: {exc}") from None
     found: list[str] = []
     for info in infos:
         text = str(info[4][0])
@@ -152,5 +156,5 @@ def pinned_addresses(host: str, port: int, *, allow_private: bool = False) -> li
         if text not in found:
             found.append(text)
     if not found:
-        raise OutboundRefused(f"{host} does not resolve")
+        raise Unresolved(f"{host} does not resolve")
     return found

@@ -398,7 +398,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.reconcile:  # proposes and prunes the sweeps' trials (service.api.sweeps)
             sweeper = Sweeper(settings, services.sessions, services.redis, services.dispatcher)
             threads.append(threading.Thread(target=sweeper.run, args=(stop,), name="sweeps"))
-        if settings.reconcile and settings.retention_days > 0:
+        if settings.reconcile and (
+            settings.retention_days > 0 or settings.events_retention_days > 0
+        ):
             retention = Retention(settings, services.sessions, services.redis)
             threads.append(threading.Thread(target=retention.run, args=(stop,), name="retention"))
         if settings.webhook_deliver:

@@ -11,23 +11,31 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import delete, insert, select
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from service.api.app import create_app
+from service.api.core.models import EVENTS, WEBHOOK_DELIVERIES, WEBHOOKS, utcnow
 from service.api.core.settings import Settings
+from service.api.scheduling.retention import Retention
 from service.api.webhooks.delivery import Deliverer
 from tests.api.support import Api, WorkerSim, forget_jobs_since, free_port, make_tokens
-from trainer.outbound import OutboundRefused, check_url, pinned_addresses
+from trainer.outbound import OutboundRefused, Unresolved, check_url, pinned_addresses
 
 DOWN_S = 3.0  # how long the receiver is away ("a minute", shortened)
 
@@ -114,11 +122,11 @@ Hooks = Callable[..., tuple[Api, Deliverer]]
 @pytest.fixture()
 def hooks(make_settings: Callable[..., Settings]) -> Iterator[Hooks]:
     """Builds an app whose admin allows loopback targets, with short retries, and a
-    deliverer running beside it (settings overridable)."""
+    deliverer running beside it (settings overridable; ``start=False``: none running)."""
     started_ms = int(time.time() * 1000)
     stack = contextlib.ExitStack()
 
-    def build(**overrides: Any) -> tuple[Api, Deliverer]:
+    def build(start: bool = True, **overrides: Any) -> tuple[Api, Deliverer]:
         settings = make_settings(
             **{
                 "webhook_allow_loopback": True,
@@ -133,17 +141,26 @@ def hooks(make_settings: Callable[..., Settings]) -> Iterator[Hooks]:
         services = app.state.services
         user, token, other, admin = make_tokens(services)
         deliverer = Deliverer(settings, services.sessions)
-        stop = threading.Event()
-        thread = threading.Thread(target=deliverer.run, args=(stop,), daemon=True)
         client = stack.enter_context(TestClient(app))
-        thread.start()
-        stack.callback(thread.join, 10)
-        stack.callback(stop.set)
+        if start:
+            stack.enter_context(_running(deliverer))
         return Api(app, client, services, user, token, other, admin), deliverer
 
     with stack:
         yield build
     forget_jobs_since(make_settings().database_url, started_ms)
+
+
+@contextlib.contextmanager
+def _running(deliverer: Deliverer) -> Iterator[None]:
+    stop = threading.Event()
+    thread = threading.Thread(target=deliverer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 @pytest.fixture()
@@ -250,11 +267,19 @@ def test_fifty_jobs_every_status_change_in_order_through_an_outage(
     assert theirs["id"] not in {e["data"]["job_id"] for e in feed}
     assert {e["data"]["job_id"] for e in _feed(api, api.other_token)} == {theirs["id"]}
 
-    log = api.client.get(
-        f"/v1/webhooks/{hook['id']}/deliveries", params={"limit": 500}, headers=api.headers()
-    ).json()["items"]
-    assert len(log) == total and all(d["status"] == "delivered" for d in log)
-    assert max(d["attempts"] for d in log) > 1  # the outage was retried through
+    def log() -> list[dict[str, Any]]:
+        return list(
+            api.client.get(
+                f"/v1/webhooks/{hook['id']}/deliveries",
+                params={"limit": 500},
+                headers=api.headers(),
+            ).json()["items"]
+        )
+
+    # outcomes are stored a batch at a time, a moment after the endpoint answered
+    _wait(lambda: all(d["status"] == "delivered" for d in log()), 10, "the outcomes stored")
+    assert len(log()) == total
+    assert max(d["attempts"] for d in log()) > 1  # the outage was retried through
     gone = api.client.get(f"/v1/webhooks/{hook['id']}", headers=api.headers(api.other_token))
     assert gone.status_code == 404
 
@@ -350,6 +375,33 @@ def test_private_loopback_and_metadata_targets_are_refused_naming_url(api: Api) 
     ][0]["loc"] == ["query", "after"]
 
 
+def test_a_name_resolving_to_a_private_address_is_a_422_at_create_and_patch(api: Api) -> None:
+    host = socket.gethostname()  # a name (not "localhost") that resolves to this host
+    try:
+        pinned_addresses(host, 80)
+    except Unresolved:
+        pytest.skip(f"{host} does not resolve here")
+    except OutboundRefused:
+        pass  # loopback or private, as a host's own name is on most machines
+    else:
+        pytest.skip(f"{host} resolves to a public address here")
+    url = f"http://{host}:8080/hook"
+    refused = api.client.post(
+        "/v1/webhooks", json={"url": url, "events": ["job.*"]}, headers=api.headers()
+    )
+    assert refused.status_code == 422, refused.text
+    detail = refused.json()["detail"][0]
+    assert detail["loc"] == ["body", "url"] and "resolves to a refused address" in detail["msg"]
+    hook = _create(api, "https://hooks.example.com/h", ["job.*"])  # no answer yet: taken
+    patched = api.client.patch(
+        f"/v1/webhooks/{hook['id']}", json={"url": url}, headers=api.headers()
+    )
+    assert patched.status_code == 422 and patched.json()["detail"][0]["loc"] == ["body", "url"]
+    assert api.client.get(f"/v1/webhooks/{hook['id']}", headers=api.headers()).json()["url"] == (
+        "https://hooks.example.com/h"
+    )
+
+
 def test_outbound_policy_even_when_private_targets_are_allowed() -> None:
     for url in (
         "http://169.254.169.254/",
@@ -397,3 +449,134 @@ def test_checkpoint_written_once_however_often_replayed(api: Api) -> None:
     assert feed[1]["data"] == {
         "job_id": job["id"], "attempt": 1, "step": 5, "checkpoint": "step-5",
     }  # fmt: skip
+
+
+def test_retention_prunes_old_events_but_not_what_a_delivery_or_fan_out_needs(api: Api) -> None:
+    owner, bystander = f"prune-{uuid.uuid4().hex[:8]}", f"prune-{uuid.uuid4().hex[:8]}"
+    now = utcnow()
+    old, recent = now - timedelta(days=40), now - timedelta(days=1)
+    endpoint = uuid.uuid4().hex
+    with api.services.sessions() as session, session.begin():
+
+        def event(who: str, when: Any) -> int:
+            row: dict[str, Any] = {"owner": who, "type": "job.running", "job_id": None, "data": {}}
+            stmt = insert(EVENTS).values(**row, created_at=when).returning(EVENTS.c.id)
+            return int(session.execute(stmt).scalar_one())
+
+        delivered, pending, fanned, unread = (event(owner, old) for _ in range(4))
+        new = event(owner, recent)
+        stranger = event(bystander, old)  # an owner with no endpoint: nothing holds it
+        session.execute(
+            insert(WEBHOOKS).values(
+                id=endpoint, owner=owner, url="https://hooks.example.com/h", events=["job.*"],
+                secret="whsec_" + "A" * 32, enabled=True, after_event=fanned, failures=0,
+                created_at=old, updated_at=old,
+            )
+        )  # fmt: skip
+
+        def delivery(event_id: int, status: str, when: Any) -> None:
+            session.execute(
+                insert(WEBHOOK_DELIVERIES).values(
+                    endpoint_id=endpoint, event_id=event_id, job_id=None, status=status,
+                    attempts=1, next_attempt_at=when, give_up_at=now, created_at=when,
+                    updated_at=when,
+                )
+            )  # fmt: skip
+
+        delivery(delivered, "delivered", old)
+        delivery(pending, "pending", old)  # still retried: its event must stay
+        delivery(fanned, "failed", recent)  # ended lately, but its event is past retention
+
+    def left() -> tuple[set[int], set[tuple[int, str]]]:
+        with api.services.sessions() as session:
+            events = set(
+                session.execute(
+                    select(EVENTS.c.id).where(EVENTS.c.owner.in_([owner, bystander]))
+                ).scalars()
+            )
+            deliveries = {
+                (r.event_id, r.status)
+                for r in session.execute(
+                    select(WEBHOOK_DELIVERIES).where(WEBHOOK_DELIVERIES.c.endpoint_id == endpoint)
+                )
+            }
+        return events, deliveries
+
+    everything = left()
+    off = api.settings.model_copy(update={"retention_days": 0, "events_retention_days": 0})
+    assert Retention(off, api.services.sessions, api.services.redis).run_once() == 0
+    assert left() == everything  # 0 days: kept forever
+
+    on = api.settings.model_copy(update={"retention_days": 0, "events_retention_days": 30})
+    Retention(on, api.services.sessions, api.services.redis).run_once()
+    events, deliveries = left()
+    # pending: an unfinished delivery needs it; unread: after the endpoint's cursor; new: young
+    assert events == {pending, unread, new}
+    assert delivered not in events and fanned not in events and stranger not in events
+    assert deliveries == {(pending, "pending")}
+    with api.services.sessions() as session, session.begin():  # no endpoint left behind
+        session.execute(delete(WEBHOOKS).where(WEBHOOKS.c.id == endpoint))
+
+
+def _statuses(api: Api, hook_id: str) -> list[str]:
+    with api.services.sessions() as session:
+        rows = session.execute(
+            select(WEBHOOK_DELIVERIES.c.status)
+            .where(WEBHOOK_DELIVERIES.c.endpoint_id == hook_id)
+            .order_by(WEBHOOK_DELIVERIES.c.event_id)
+        )
+        return list(rows.scalars())
+
+
+def test_a_killed_deliverers_deliveries_are_taken_over_after_its_lease(
+    hooks: Hooks, receiver: Receiver
+) -> None:
+    """A deliverer process holds its claims while it lives (its lease renewed, however long
+    its send takes), and another deliverer takes them over within a lease once it is
+    killed."""
+    lease = 1.0  # the least the setting allows; a minute by default
+    api, survivor = hooks(start=False, webhook_lease_s=lease, webhook_timeout_s=30.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    hook = _create(api, f"http://127.0.0.1:{silent.getsockname()[1]}/hook", ["job.*"])
+    receiver.secret = hook["secret"]
+    job = api.submit()["id"]
+    sim = WorkerSim(api.services.redis, api.keys, job)
+    sim.running()
+    sim.exited(0)
+    api.drain()
+    s = api.settings
+    env = {
+        **os.environ,
+        "TRAINQ_DATABASE_URL": s.database_url, "TRAINQ_REDIS_URL": s.redis_url,
+        "TRAINQ_BROKER_URL": s.broker_url, "TRAINQ_REDIS_PREFIX": s.redis_prefix,
+        "TRAINQ_DATA_ROOT": str(s.data_root), "TRAINQ_RUNS_ROOT": str(s.runs_root),
+        "TRAINQ_WEBHOOK_ALLOW_LOOPBACK": "1", "TRAINQ_WEBHOOK_LEASE_S": str(lease),
+        "TRAINQ_WEBHOOK_POLL_S": "0.05", "TRAINQ_WEBHOOK_TIMEOUT_S": "30",
+    }  # fmt: skip
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "service.api.webhooks.delivery"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        # the first event is sent (and hangs), the second waits behind it (in order per job)
+        _wait(lambda: _statuses(api, hook["id"]) == ["sending", "waiting"], 30, "the claim")
+        api.client.patch(
+            f"/v1/webhooks/{hook['id']}", json={"url": receiver.url}, headers=api.headers()
+        )
+        with _running(survivor):
+            time.sleep(3 * lease)  # three leases: renewed by the living deliverer each third
+            assert _statuses(api, hook["id"]) == ["sending", "waiting"]
+            assert receiver.unique() == []
+            os.killpg(doomed.pid, signal.SIGKILL)
+            doomed.wait(10)
+            _wait(lambda: len(receiver.unique()) == 2, 10 * lease, "the takeover")
+    finally:
+        if doomed.poll() is None:
+            os.killpg(doomed.pid, signal.SIGKILL)
+            doomed.wait(10)
+        silent.close()
+    assert [g["type"] for g in receiver.unique()] == ["job.running", "job.succeeded"]
+    assert receiver.bad == []

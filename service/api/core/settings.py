@@ -156,6 +156,9 @@ class Settings(BaseSettings):
     retention_days: float = Field(0.0, ge=0)
     retention_remove_runs: bool = False
     retention_interval_s: float = Field(3600.0, gt=0)
+    # The same pass prunes events (the feed, the webhooks' outbox) and ended webhook deliveries
+    # older than this (0: kept forever); never an event an unfinished delivery still sends.
+    events_retention_days: float = Field(30.0, ge=0)
 
     # Webhooks (service.api.webhooks). Deliveries run as a thread of the API process, or
     # (webhook_deliver false on the API) as their own: python -m service.api.webhooks.delivery.
@@ -176,6 +179,9 @@ class Settings(BaseSettings):
     webhook_per_endpoint: int = Field(4, ge=1, le=64)
     webhook_in_flight: int = Field(512, ge=1)
     webhook_poll_s: float = Field(0.5, gt=0)  # how often an idle deliverer looks for events
+    # A claimed delivery is held this long, renewed while its deliverer lives: one that died
+    # leaves its deliveries to the others within it.
+    webhook_lease_s: float = Field(60.0, ge=1, le=3600)
     # The deliverer's own process (python -m service.api.webhooks.delivery) runs this much
     # nicer than the API (os.nice; 0: as the API), so a backlog of deliveries yields the CPU
     # to requests, at the cost of delivering slower on a busy host.

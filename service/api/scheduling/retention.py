@@ -15,6 +15,14 @@ runs root.
 The background pass runs on one replica at a time (the reconciler's Redis lock with a token,
 released only by its holder) and deletes at most ``PASS_MAX`` jobs, the longest ended
 first; while more are due the next pass follows after ``BACKLOG_PAUSE_S``, not a full interval.
+
+The same pass prunes the outbox (``TRAINQ_EVENTS_RETENTION_DAYS``, 30 by default; 0 keeps
+it forever): webhook deliveries that ended (delivered, or failed for good) that long ago,
+and events older than that, but never an event that an unfinished delivery still has to
+send (waiting, pending, sending: it is retried for ``webhook_retry_window_s``, whatever the
+events' age) nor one an enabled endpoint has not yet fanned out (its cursor is behind it).
+The events feed then starts at the oldest event kept; a cursor from before it reads on from
+there.
 """
 
 from __future__ import annotations
@@ -29,15 +37,33 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, exists, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.core.models import ATTEMPTS, JOBS, LOGS, METRICS, TERMINAL, utcnow
+from service.api.core.models import (
+    ATTEMPTS,
+    EVENTS,
+    JOBS,
+    LOGS,
+    METRICS,
+    TERMINAL,
+    WEBHOOK_DELIVERIES,
+    WEBHOOKS,
+    utcnow,
+)
 from service.api.core.settings import Settings
 from service.api.scheduling.passlock import one_pass
 from trainer.events import Keys
 
-__all__ = ["BATCH", "PASS_MAX", "Retention", "delete_jobs", "remove_run_dir", "starting_from"]
+__all__ = [
+    "BATCH",
+    "PASS_MAX",
+    "Retention",
+    "delete_jobs",
+    "prune_events",
+    "remove_run_dir",
+    "starting_from",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +74,7 @@ LOCK_TTL_S = 600  # a pass is bounded; a replica that died holding the lock free
 
 _JOB_ID = re.compile(r"[0-9a-f]{1,32}")
 _TERMINAL = sorted(TERMINAL)
+_ENDED_DELIVERY = ("delivered", "failed")
 
 
 @contextmanager
@@ -164,6 +191,60 @@ def remove_run_dir(runs_root: Path, job_id: str) -> bool:
         return False
 
 
+def prune_events(db: sessionmaker[Session] | Engine, days: float, limit: int = PASS_MAX) -> int:
+    """Delete the webhook deliveries that ended over ``days`` ago, and the events older than
+    that which no unfinished delivery needs and every enabled endpoint of their owner has
+    fanned out; at most ``limit`` of each, in batches of ``BATCH``. The events deleted."""
+    cutoff = utcnow() - timedelta(days=days)
+    d = WEBHOOK_DELIVERIES
+    needed = exists().where(d.c.event_id == EVENTS.c.id, d.c.status.not_in(_ENDED_DELIVERY))
+    unread = exists().where(
+        WEBHOOKS.c.owner == EVENTS.c.owner, WEBHOOKS.c.enabled, WEBHOOKS.c.after_event < EVENTS.c.id
+    )
+    ended = 0
+    events = 0
+    while ended < limit:
+        with _begin(db) as tx:
+            old = (
+                select(d.c.id)
+                .where(d.c.status.in_(_ENDED_DELIVERY), d.c.updated_at < cutoff)
+                .order_by(d.c.id)
+                .limit(BATCH)
+            )
+            ids = list(tx.execute(old).scalars())
+            if ids:
+                tx.execute(delete(d).where(d.c.id.in_(ids)))
+        ended += len(ids)
+        if len(ids) < BATCH:
+            break
+    while events < limit:
+        with _begin(db) as tx:
+            old = (
+                select(EVENTS.c.id)
+                .where(EVENTS.c.created_at < cutoff, ~needed, ~unread)
+                .order_by(EVENTS.c.id)
+                .limit(BATCH)
+                .with_for_update(skip_locked=True)
+            )
+            ids = list(tx.execute(old).scalars())
+            if ids:
+                # their deliveries all ended (the rest keep the event); the foreign key would
+                # cascade, but a SQLite connection without the pragma must not leave orphans
+                tx.execute(delete(d).where(d.c.event_id.in_(ids)))
+                tx.execute(delete(EVENTS).where(EVENTS.c.id.in_(ids)))
+        events += len(ids)
+        if len(ids) < BATCH:
+            break
+    if ended or events:
+        log.info(
+            "retention: pruned %d event(s) and %d ended webhook deliveries over %g day(s) old",
+            events,
+            ended,
+            days,
+        )
+    return events
+
+
 class Retention:
     """The background pass: terminal jobs that ended more than ``retention_days`` ago."""
 
@@ -192,20 +273,27 @@ class Retention:
             )
 
     def run_once(self) -> int:
-        """One pass, if retention is on and no other replica holds the lock; jobs deleted."""
-        if self.settings.retention_days <= 0:
+        """One pass, if retention is on and no other replica holds the lock; jobs deleted
+        (and the outbox pruned, ``events_retention_days``)."""
+        jobs_days = self.settings.retention_days
+        events_days = self.settings.events_retention_days
+        if jobs_days <= 0 and events_days <= 0:
             return 0
+        deleted = 0
         with one_pass(self.redis, self.lock_key, LOCK_TTL_S) as mine:
             if not mine:
                 return 0
-            deleted = delete_jobs(
-                self.sessions,
-                self.due(),
-                self.settings.runs_root,
-                self.settings.retention_remove_runs,
-                redis=self.redis,
-                keys=self.keys,
-            )
+            if events_days > 0:
+                prune_events(self.sessions, events_days)
+            if jobs_days > 0:
+                deleted = delete_jobs(
+                    self.sessions,
+                    self.due(),
+                    self.settings.runs_root,
+                    self.settings.retention_remove_runs,
+                    redis=self.redis,
+                    keys=self.keys,
+                )
         if deleted:
             days = self.settings.retention_days
             log.info("retention: deleted %d job(s) that ended over %g day(s) ago", deleted, days)

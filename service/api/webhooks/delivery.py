@@ -46,21 +46,29 @@ from service.api.webhooks.store import (
     claim,
     enabled_endpoints,
     fan_out,
+    lazy_commit,
     record_outcomes,
+    renew_lease,
 )
 
 __all__ = ["Deliverer", "Lane", "main", "signed_request"]
 
 log = logging.getLogger(__name__)
 
-# A claimed delivery not finished by then is taken to be orphaned (its deliverer died); a
-# lane of LANE_DEPTH sends per thread, each up to ~3 timeouts, ends well inside it.
-LEASE_S = 1800.0
+# A claimed delivery is held for ``webhook_lease_s`` (a minute by default): its deliverer
+# renews the lease of every delivery it holds each third of that, so a deliverer that died
+# (killed, its host gone) leaves its deliveries to the others within a lease, however long
+# its lanes' queues were; one that lives holds them however long its sends take.
+RENEW_SHARE = 1 / 3
 LANE_IDLE_S = 60.0
 # Deliveries an endpoint's lane holds per sender thread: enough that a claim is worth its
-# query, few enough that a lane of timeouts ends well inside the lease.
+# query, few enough that a slow endpoint's lane does not sit on many for long.
 LANE_DEPTH = 64
 FAN_OUT_BATCH = 2000
+# While deliveries are in flight, a pass follows the last after this long: the outcomes of
+# that time are stored and as many deliveries claimed in one transaction. A lane holds far
+# more than it sends in that time (LANE_DEPTH), so the senders never wait for a pass.
+BATCH_S = 0.05
 
 
 def signed_request(signer: Webhook, delivery: Claimed) -> tuple[bytes, dict[str, str]]:
@@ -168,7 +176,11 @@ class Deliverer:
         self.outcomes: deque[Outcome] = deque()
         self.wake = threading.Event()
         self.sent = 0
+        self.endpoints: list[Endpoint] = []
+        self.lease_s = settings.webhook_lease_s
+        self.holding: set[int] = set()  # claimed by this deliverer, outcome not yet stored
         self._next_fan_out = 0.0
+        self._next_renew = 0.0
 
     def _done(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -193,48 +205,83 @@ class Deliverer:
                 del self.lanes[endpoint_id]
         for endpoint in endpoints:
             if endpoint.id not in self.lanes:
-                self.lanes[endpoint.id] = Lane(endpoint, self.settings, self._done)
+                try:
+                    self.lanes[endpoint.id] = Lane(endpoint, self.settings, self._done)
+                except Exception as exc:  # its secret unusable, say: its deliveries wait
+                    log.error("webhook endpoint %s has no lane: %s", endpoint.id, exc)
 
-    def store_outcomes(self) -> int:
+    def _take_outcomes(self) -> list[Outcome]:
         batch = []
         while self.outcomes:
             batch.append(self.outcomes.popleft())
+        return batch
+
+    def _stored(self, batch: list[Outcome], disabled: list[str]) -> None:
+        self.holding.difference_update(o.delivery.id for o in batch)
+        for endpoint_id in disabled:
+            log.warning("webhook endpoint %s disabled after failing deliveries", endpoint_id)
+        self.sent += sum(1 for o in batch if o.ok)
+
+    def store_outcomes(self) -> int:
+        """Store the outcomes gathered so far, in a transaction of their own."""
+        batch = self._take_outcomes()
         if not batch:
             return 0
         try:
             with self.sessions() as session, session.begin():
+                lazy_commit(session)
                 disabled = record_outcomes(session, self.settings, batch)
         except Exception:
             self.outcomes.extendleft(reversed(batch))  # stored on the next pass instead
             raise
-        for endpoint_id in disabled:
-            log.warning("webhook endpoint %s disabled after failing deliveries", endpoint_id)
-        self.sent += sum(1 for o in batch if o.ok)
+        self._stored(batch, disabled)
         return len(batch)
 
     def run_once(self) -> int:
-        """One pass; the number of deliveries claimed and outcomes stored."""
+        """One pass; the number of deliveries claimed and outcomes stored.
+
+        The endpoints are read, and new events fanned out, every ``webhook_poll_s`` (at once
+        again while a full batch of events was read); the outcomes gathered since the last
+        pass are stored and the next deliveries claimed in one transaction, so a busy pass
+        costs the database one commit however many deliveries it handles."""
         now = time.monotonic()
-        with self.sessions() as session, session.begin():
-            endpoints = enabled_endpoints(session)
-            if now >= self._next_fan_out:
-                read = fan_out(session, endpoints, self.settings, FAN_OUT_BATCH)
-                # a full batch: more are waiting, read on at once; else at the poll interval
-                self._next_fan_out = 0.0 if read == FAN_OUT_BATCH else now + self._poll_s()
-        self._lanes_for(endpoints)
-        stored = self.store_outcomes()
+        if now >= self._next_fan_out:
+            with self.sessions() as session, session.begin():
+                lazy_commit(session)
+                self.endpoints = enabled_endpoints(session)
+                read = fan_out(session, self.endpoints, self.settings, FAN_OUT_BATCH)
+            # a full batch: more are waiting, read on at once; else at the poll interval
+            self._next_fan_out = 0.0 if read == FAN_OUT_BATCH else now + self._poll_s()
+            self._lanes_for(self.endpoints)
         free = self.settings.webhook_in_flight - self.held()
-        if free <= 0:
-            return stored
-        enabled = {e.id for e in endpoints}
+        enabled = {e.id for e in self.endpoints}
         rooms = {eid: lane.room() for eid, lane in self.lanes.items() if eid in enabled}
-        if not any(room > 0 for room in rooms.values()):
-            return stored
-        with self.sessions() as session, session.begin():
-            claimed = claim(session, limit=free, rooms=rooms, lease_s=LEASE_S)
+        if free <= 0 or not any(room > 0 for room in rooms.values()):
+            rooms = {}
+        batch = self._take_outcomes()
+        renew = bool(self.holding) and now >= self._next_renew
+        if not batch and not rooms and not renew:
+            return 0
+        try:
+            with self.sessions() as session, session.begin():
+                lazy_commit(session)
+                disabled = record_outcomes(session, self.settings, batch)
+                if renew:  # the ones whose outcome was just stored are no longer held
+                    held = self.holding.difference(o.delivery.id for o in batch)
+                    renew_lease(session, sorted(held), self.lease_s)
+                claimed = claim(session, limit=free, rooms=rooms, lease_s=self.lease_s)
+        except Exception:
+            self.outcomes.extendleft(reversed(batch))  # stored on the next pass instead
+            raise
+        if renew:
+            self._next_renew = now + self.lease_s * RENEW_SHARE
+        self._stored(batch, disabled)
+        if claimed and not self.holding:
+            self._next_renew = now + self.lease_s * RENEW_SHARE  # the first held since idle
+        self.holding.update(d.id for d in claimed)
         for delivery in claimed:
             self.lanes[delivery.endpoint_id].put(delivery)
-        return stored + len(claimed)
+        return len(batch) + len(claimed)
 
     def _poll_s(self) -> float:
         return self.settings.webhook_poll_s
@@ -252,9 +299,10 @@ class Deliverer:
                 backoff = min(backoff * 2, 10.0)
                 continue
             if self.held() or worked:
-                # outcomes come back as sends end: gather a few before the next pass
+                # outcomes come back as sends end: gather them for BATCH_S, so that a pass
+                # (one transaction) stores and claims many deliveries, not one or two
+                stop.wait(BATCH_S)
                 self.wake.wait(self._poll_s())
-                time.sleep(0.005)
             else:
                 self.wake.wait(self._poll_s())
             self.wake.clear()
@@ -265,6 +313,7 @@ class Deliverer:
         unstarted: list[int] = []
         for lane in self.lanes.values():
             unstarted.extend(d.id for d in lane.close())
+        self.holding.difference_update(unstarted)
         for lane in self.lanes.values():
             lane.join(self.settings.webhook_timeout_s * 2 if timeout is None else timeout)
         self.lanes.clear()

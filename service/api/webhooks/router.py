@@ -35,7 +35,7 @@ from service.api.webhooks.schemas import (
     WebhookPatch,
 )
 from service.api.webhooks.store import UNFINISHED
-from trainer.outbound import OutboundRefused, check_url
+from trainer.outbound import OutboundRefused, Unresolved, check_url, pinned_addresses
 
 __all__ = ["router"]
 
@@ -50,8 +50,19 @@ def _json(model: Any, status: int = 200) -> Response:
 
 
 def _check_url(services: Services, url: str) -> None:
+    """422 naming ``url`` for a URL the deliverer would refuse: its form, a refused literal
+    address, or a name that resolves to a refused address now. The deliverer checks the
+    name again at each connection (its answer may change); a name that does not resolve
+    yet is taken (its deliveries fail, and are retried, until it does)."""
+    allow = services.settings.webhook_allow_loopback
     try:
-        check_url(url, allow_private=services.settings.webhook_allow_loopback)
+        parts = check_url(url, allow_private=allow)
+        host = parts.hostname or ""
+        pinned_addresses(
+            host, parts.port or (443 if parts.scheme == "https" else 80), allow_private=allow
+        )
+    except Unresolved:
+        return
     except OutboundRefused as exc:
         raise InvalidInput.at(["body", "url"], f"url {exc}") from None
 
