@@ -79,6 +79,7 @@ Reason = Literal[
     "cancelled",
     "no_worker",
     "disk_full",
+    "superseded",
 ]
 REASONS: tuple[str, ...] = Reason.__args__  # type: ignore[attr-defined]
 

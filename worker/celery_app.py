@@ -20,6 +20,7 @@ from kombu import Exchange, Queue
 from trainer.publish import start_warning
 from worker.context import WorkerContext
 from worker.generate import GenerationServer
+from worker.intake import Intake
 from worker.message import broker_queue, spec_queue, worker_queue
 from worker.registry import Registry
 from worker.settings import WorkerSettings
@@ -75,10 +76,13 @@ def configure(ctx: WorkerContext) -> Registry:
         task_queues=queues_for(ctx.queues, ctx.settings.redis_prefix, ctx.name),
         task_default_queue=broker_queue(ctx.queues[0], ctx.settings.redis_prefix),
     )
-    registry = Registry(ctx)
+    intake = Intake()  # no consuming while Redis is out of reach; the registry finds out
+    registry = Registry(ctx, on_reach=intake.follow)
     generation = GenerationServer(ctx)  # its threads import torch when a request comes
 
-    def on_ready(**_: Any) -> None:
+    def on_ready(sender: Any = None, **_: Any) -> None:
+        if sender is not None:  # the consumer
+            intake.attach(sender)
         registry.start()
         generation.start()
         # Said once here rather than found per job: the host lacks what hf folders need.

@@ -100,19 +100,20 @@ class WorkerContext:
     def on_change(self, callback: Callable[[], None]) -> None:
         self._on_change.append(callback)
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
+        """Tell the registry (worker.registry) to refresh the entry now."""
         for cb in self._on_change:
             cb()
 
     def track(self, job_id: str, attempt: int, wake: threading.Event, node: int = 0) -> None:
         with self._lock:
             self._running[(job_id, attempt, node)] = wake
-        self._changed()
+        self.changed()
 
     def untrack(self, job_id: str, attempt: int, node: int = 0) -> None:
         with self._lock:
             self._running.pop((job_id, attempt, node), None)
-        self._changed()
+        self.changed()
 
     def busy_slots(self) -> int:
         """Nodes of attempts this worker holds now (each takes a slot)."""
@@ -130,4 +131,4 @@ class WorkerContext:
             wakes = list(self._running.values())
         for w in wakes:
             w.set()
-        self._changed()
+        self.changed()

@@ -18,6 +18,7 @@ __all__ = [
     "WORKER_NAME_PATTERN",
     "JobMessage",
     "broker_queue",
+    "message_tag",
     "spec_queue",
     "worker_queue",
 ]
@@ -38,6 +39,12 @@ def broker_queue(queue: str, prefix: str = "trainq") -> str:
     none of kombu's or Celery's names start with.
     """
     return f"{prefix}.{queue}"
+
+
+def message_tag(job_id: str, attempt: int, node_rank: int) -> str:
+    """The ``argsrepr`` header of one node's message: readable in the broker, and unique to
+    (job, attempt, node), so the service's reconciler can look for it in a queue."""
+    return f"(job {job_id} attempt {attempt} node {node_rank})"
 
 
 # A worker's name (``--hostname``, else the host's name): it names the worker's own queue.

@@ -33,8 +33,9 @@ _CODE_REASON = {
     ExitCode.SPEC_ERROR: "spec_error",
     ExitCode.DATA_ERROR: "spec_error",
     ExitCode.DISK_FULL: "disk_full",
-    # The service already counts such an attempt lost; its exit event changes nothing.
-    ExitCode.SUPERSEDED: "lost",
+    # A newer attempt holds the job: the service already counts this one lost, and its
+    # exit event changes nothing.
+    ExitCode.SUPERSEDED: "superseded",
 }
 # torchrun: "failed (exitcode: 75) local_rank: 1 ..." and the summary "exitcode  : 75 (pid: ..)"
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.context import WorkerContext
@@ -74,8 +74,11 @@ def gpu_memory_bytes(gpus: Sequence[int] | None) -> list[int] | None:
 
 
 class Registry:
-    def __init__(self, ctx: WorkerContext) -> None:
+    """``on_reach(ok)`` after each refresh: whether Redis answered it (worker.intake)."""
+
+    def __init__(self, ctx: WorkerContext, on_reach: Callable[[bool], None] | None = None) -> None:
         self.ctx = ctx
+        self._on_reach = on_reach
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,9 +125,11 @@ class Registry:
                 self.ctx.redis.hset(keys.workers, self.ctx.name, json.dumps(self.entry()))
         except Exception as exc:
             # Its entry goes stale and the service counts it gone; its attempts' heartbeats
-            # expire with it (worker.watchers), and the broker, behind the same network,
-            # hands it nothing. Said once per outage, not every interval.
+            # expire with it (worker.watchers), and it stops consuming (worker.intake): the
+            # broker may well be reachable when Redis is not. Said once per outage.
             self._changed = True
+            if self._on_reach is not None:
+                self._on_reach(False)
             if not self._unreachable:
                 self._unreachable = True
                 log.error(
@@ -134,6 +139,8 @@ class Registry:
                     exc,
                 )
             return False
+        if self._on_reach is not None:
+            self._on_reach(True)
         if self._unreachable:
             self._unreachable = False
             log.warning("worker %s reaches Redis again: back in the registry", self.ctx.name)

@@ -51,19 +51,24 @@ from worker.outcome import Outcome, classify, read_exit_json, stop_line
 from worker.procs import kill_group, signal_group, wait_group_gone
 from worker.watchers import CancelWatch, Heartbeat
 
-__all__ = ["has_checkpoint", "run_attempt", "write_run_config"]
+__all__ = ["Unreachable", "has_checkpoint", "run_attempt", "write_run_config"]
 
 log = logging.getLogger(__name__)
 
 CLAIM_TTL_S = 7 * 24 * 3600
 GANG_TTL_S = 24 * 3600  # a late node finds the gang closed for this long
-_CLAIM_RETRY_S = 30.0  # Redis briefly away at claim time: wait for it rather than drop the task
+# Redis away at claim time: a blip is waited out; longer, the task goes back to its queue.
+_CLAIM_RETRY_S = 5.0
 CANCELLED = "cancelled by the user"
 
 
 def _label(msg: JobMessage) -> str:
     node = f" node {msg.node_rank}" if msg.nodes > 1 else ""
     return f"{msg.job_id}:{msg.attempt}{node}"
+
+
+class Unreachable(Exception):
+    """Redis did not answer the claim: nothing was claimed or started."""
 
 
 def _claim(ctx: WorkerContext, msg: JobMessage) -> bool:
@@ -73,8 +78,11 @@ def _claim(ctx: WorkerContext, msg: JobMessage) -> bool:
         try:
             return bool(ctx.redis.set(key, ctx.name, nx=True, ex=CLAIM_TTL_S))
         except Exception as exc:
+            ctx.changed()  # the registry asks Redis now, and stops the intake if it is gone
             if time.monotonic() >= deadline:
-                raise
+                raise Unreachable(
+                    f"worker {ctx.name} cannot reach Redis to claim {_label(msg)}: {exc}"
+                ) from exc
             log.warning("claim of %s waits for Redis: %s", _label(msg), exc)
             time.sleep(1.0)
 
@@ -285,7 +293,9 @@ class _Attempt:
             log.warning("fence of %s not raised: %s", _label(msg), exc)
             return None
         if newest > msg.attempt:
-            return Outcome(None, "lost", f"attempt {msg.attempt} superseded by attempt {newest}")
+            return Outcome(
+                None, "superseded", f"attempt {msg.attempt} superseded by attempt {newest}"
+            )
         if step and not has_checkpoint(s.runs_root / msg.job_id, step):
             return Outcome(
                 None,
@@ -461,7 +471,7 @@ class _Attempt:
             if exited.is_set():
                 break
             if self.hb.lost.is_set():
-                return "lost", (
+                return "superseded", (
                     f"worker {ctx.name} could not reach Redis for {self.hb.outage_s:.0f} s:"
                     " its heartbeat expired and the service ran the job again elsewhere"
                     " meanwhile; this node of the old attempt was stopped"

@@ -33,7 +33,10 @@ def test_a_retry_that_cannot_see_the_published_checkpoint_does_not_start_from_ze
     # An attempt older than the fence's does not start at all.
     wire.send(message(job, attempt=1, procs=1))
     stale = wire.exited(job, 1)
-    assert (stale["reason"], stale["message"]) == ("lost", "attempt 1 superseded by attempt 2")
+    assert (stale["reason"], stale["message"]) == (
+        "superseded",
+        "attempt 1 superseded by attempt 2",
+    )
 
 
 def test_ranks_of_a_superseded_attempt_stop_before_publishing_a_checkpoint(
@@ -47,7 +50,7 @@ def test_ranks_of_a_superseded_attempt_stop_before_publishing_a_checkpoint(
     raise_fence(wire.r, wire.keys.fence(job), 2)  # another host claimed attempt 2
     published = {p.parent.name for p in checkpoints.glob("step-*/DONE")}
     done = wire.exited(job, 1, timeout=60)
-    assert done["reason"] == "lost" and done["exit_code"] not in (0, None), done
+    assert done["reason"] == "superseded" and done["exit_code"] not in (0, None), done
     assert "SUPERSEDED: attempt 1 was replaced by attempt 2" in done["message"], done
     after = {p.parent.name for p in checkpoints.glob("step-*/DONE")}
     # At most the save under way when the fence rose (checked before its rename) got in.

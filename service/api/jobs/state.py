@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # Failures that a new attempt may fix; spec_error, nan_loss and timeout would only repeat.
-RETRYABLE = frozenset({"lost", "exit_code", "oom"})
+RETRYABLE = frozenset({"lost", "superseded", "exit_code", "oom"})
 
 
 @dataclass(frozen=True)

@@ -70,11 +70,11 @@ from service.api.scheduling.decide import (
     live_entries,
     units,
 )
-from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts, message_tag
+from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
 from service.api.scheduling.limits import running_caps
 from service.api.scheduling.passlock import StorePass, one_pass
 from service.api.scheduling.pending import gone_key
-from worker.message import worker_queue
+from worker.message import message_tag, worker_queue
 
 __all__ = ["Admitter"]
 

@@ -25,9 +25,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.api.core.models import ATTEMPTS, JOBS, utcnow
 from service.api.core.settings import Settings
 from trainer.events import Keys
-from worker.message import TASK_NAME, JobMessage, broker_queue, worker_queue
+from worker.message import TASK_NAME, JobMessage, broker_queue, message_tag, worker_queue
 
-__all__ = ["Dispatcher", "dispatch_attempts", "job_message", "message_tag"]
+__all__ = ["Dispatcher", "dispatch_attempts", "job_message"]
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +189,6 @@ class Dispatcher:
             if self._celery is not None:
                 self._celery.close()
                 self._celery = None
-
-
-def message_tag(job_id: str, attempt: int, node_rank: int) -> str:
-    """The ``argsrepr`` header of one node's message: readable in the broker, and unique to
-    (job, attempt, node), so ``Reconciler.resend_orphaned`` can look for it in a queue."""
-    return f"(job {job_id} attempt {attempt} node {node_rank})"
 
 
 def job_message(row: Mapping[Any, Any], attempt: int, node_rank: int = 0) -> JobMessage:

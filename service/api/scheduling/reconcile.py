@@ -56,7 +56,7 @@ DISPATCHED_WINDOW = 2000
 # Sent attempts checked per orphan check (oldest first).
 ORPHAN_WINDOW = 5000
 BROKER_CHUNK = 1000
-# The tag dispatch.message_tag writes in each message's headers.
+# The tag worker.message.message_tag writes in each message's headers.
 _TAG = re.compile(rb"\(job ([0-9a-f]{1,64}) attempt ([0-9]{1,9}) node ([0-9]{1,9})\)")
 
 
