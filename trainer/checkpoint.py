@@ -302,11 +302,13 @@ def load_checkpoint(
     try:
         if (path / "dcp").is_dir():
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            sliced = _whole_for_dcp(model_sd, optim_sd, model)
             # dcp.load fills these dicts in place, each rank reading only its own shards
             # (one process without torchrun: all of them; DCP warns of it, as intended here).
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / "dcp")
+            _cut(model_sd, optim_sd, sliced)
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         elif strategy == "fsdp":
             _load_full_into_shards(path / "model.pt", model, optimizer)
@@ -419,3 +421,37 @@ def _own_experts(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
             state["optimizer"]["state"][index] = {
                 k: v[lo:hi] if v.shape == full.shape else v for k, v in moments.items()
             }
+
+
+def _whole_for_dcp(
+    model_sd: dict[str, Any], optim_sd: dict[str, Any], model: nn.Module
+) -> dict[str, tuple[int, int]]:
+    """Under expert parallelism, a ``dcp/`` checkpoint (FSDP's) holds the experts whole: the
+    state dicts `get_state_dict` gave get whole tensors for them to read into, in place;
+    their bounds by name, for `_cut` after the read."""
+    bounds = {}
+    for name, p in unwrap(model).named_parameters():
+        shard = expert_shard(p)
+        if shard is None:
+            continue
+        whole = (p.shape[0] * shard.size, *p.shape[1:])
+        bounds[name] = shard.bounds(whole[0])
+        model_sd[name] = p.new_empty(whole)
+        moments = optim_sd["state"].get(name, {})
+        for k, v in moments.items():
+            if v.shape == p.shape:
+                moments[k] = v.new_empty(whole)
+    return bounds
+
+
+def _cut(
+    model_sd: dict[str, Any], optim_sd: dict[str, Any], bounds: dict[str, tuple[int, int]]
+) -> None:
+    """The rank's slices of what `_whole_for_dcp` made whole."""
+    for name, (lo, hi) in bounds.items():
+        full = model_sd[name]
+        model_sd[name] = full[lo:hi]
+        moments = optim_sd["state"].get(name, {})
+        for k, v in moments.items():
+            if v.shape == full.shape:
+                moments[k] = v[lo:hi]

@@ -120,7 +120,9 @@ def test_moe_resumes_exactly(
         assert r["aux_loss"] == straight[r["step"]]["aux_loss"]
 
 
-@pytest.mark.parametrize(("source", "nproc", "extra"), [("ep", 1, {}), ("single", 2, EP)])
+@pytest.mark.parametrize(
+    ("source", "nproc", "extra"), [("ep", 1, {}), ("single", 2, EP), ("fsdp_ac", 2, EP)]
+)
 def test_moe_resumes_across_expert_parallel_sizes(
     moe_runs: dict[str, Path],
     data_root: Path,
@@ -130,8 +132,9 @@ def test_moe_resumes_across_expert_parallel_sizes(
     nproc: int,
     extra: dict[str, Any],
 ) -> None:
-    # EP=2's step-3 checkpoint resumed by one process (EP=1), and one process's resumed
-    # with EP=2: steps 4..6 are the straight runs' (the experts are stored whole).
+    # EP=2's step-3 checkpoint resumed by one process (EP=1), one process's and FSDP2's
+    # (dcp/) resumed with EP=2: steps 4..6 are the straight runs' (the experts are whole
+    # in every checkpoint; each EP rank cuts its slice).
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(moe_runs[source] / "checkpoints" / "step-3", run_dir / "checkpoints" / "step-3")
