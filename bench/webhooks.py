@@ -243,6 +243,7 @@ def phase_run(
     result["get"] = pct(times)
     result["get"]["mean"] = 1000 * sum(times) / max(1, len(times))
     result["cores"] = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0}
+    result["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in cpu0}
     return result
 
 
@@ -301,6 +302,12 @@ def main() -> None:
             + ", ".join(f"{k} {v:.2f}" for k, v in busy[-1]["cores"].items())
             + f"; received {count}, bad signatures {bad}, failed {failed}"
         )
+        # CPU seconds each process spent in a busy window, per delivery (the API's include
+        # its GETs): what delivering costs, the figure the shared machine's load moves least
+        per = {
+            k: 1000 * median([b["cpu_s"][k] for b in busy]) / args.events for k in busy[-1]["cpu_s"]
+        }
+        print(f"{'':8s} CPU per delivery: " + ", ".join(f"{k} {v:.3f} ms" for k, v in per.items()))
     print(json.dumps({"met": ok}))
 
 

@@ -225,6 +225,11 @@ class Client:
         found: dict[str, Any] = self._json("POST", "/v1/sweeps", "sweep", json=body)
         return found
 
+    def sweeps(self, limit: int = 50) -> list[dict[str, Any]]:
+        """GET /v1/sweeps: the caller's sweeps, newest first."""
+        found = self._json("GET", "/v1/sweeps", "sweeps", params={"limit": limit})
+        return list(found["items"])
+
     def sweep(self, sweep_id: str, *, cancel: bool = False) -> dict[str, Any]:
         """GET /v1/sweeps/{id}, or with ``cancel`` POST its cancel; the sweep and its trials."""
         path = f"/v1/sweeps/{quote(sweep_id, safe='')}"

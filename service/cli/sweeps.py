@@ -1,4 +1,4 @@
-"""``trainq sweep submit | status | cancel``: sweeps over the API (POST /v1/sweeps ...).
+"""``trainq sweep submit | list | status | cancel``: sweeps over the API (POST /v1/sweeps ...).
 
 ``register(sweep_app)`` adds them to the ``trainq sweep`` group (``service.cli.commands``).
 The sweep file is YAML or JSON, read as a job spec file is (``service.cli.specfile``);
@@ -16,7 +16,7 @@ import typer
 
 from service.cli.output import clean, fmt, table
 
-__all__ = ["register", "trial_rows"]
+__all__ = ["register", "sweep_rows", "trial_rows"]
 
 POLL_S = 1.0
 
@@ -46,6 +46,25 @@ def trial_rows(sweep: dict[str, Any]) -> str:
     return table(rows, header) if rows else "no trials yet"
 
 
+def sweep_rows(sweeps: list[dict[str, Any]]) -> str:
+    """The sweeps as a table, newest first: trials made of the budget, the best value."""
+    rows = [
+        [
+            s["id"],
+            s["name"],
+            s["status"],
+            s["method"],
+            f"{s['proposed']}/{s['budget']}",
+            f"{s['metric']} {s['goal']}",
+            fmt((s.get("best_trial") or {}).get("value"), ".4f"),
+            str(s["created_at"])[:19],
+        ]
+        for s in sweeps
+    ]
+    header = ["ID", "NAME", "STATUS", "METHOD", "TRIALS", "METRIC", "BEST", "CREATED"]
+    return table(rows, header) if rows else "no sweeps"
+
+
 def _summary(sweep: dict[str, Any]) -> str:
     best = sweep.get("best_trial")
     line = (
@@ -58,7 +77,7 @@ def _summary(sweep: dict[str, Any]) -> str:
 
 
 def register(sweep_app: typer.Typer) -> None:
-    """Add ``submit``, ``status`` and ``cancel`` to the ``trainq sweep`` group."""
+    """Add ``submit``, ``list``, ``status`` and ``cancel`` to the ``trainq sweep`` group."""
     from service.cli.base import cli_errors, fail, make_client
     from service.cli.specfile import SpecError, load_spec
 
@@ -84,6 +103,20 @@ def register(sweep_app: typer.Typer) -> None:
             typer.echo(_summary(sweep))
             if sweep["status"] != "finished":
                 raise fail(f"sweep {sweep['id']} {sweep['status']}", 3)
+
+    @sweep_app.command("list")
+    @cli_errors
+    def list_(
+        limit: Annotated[int, typer.Option("--limit", min=1, max=200, help="at most")] = 50,
+        as_json: Annotated[bool, typer.Option("--json", help="the API's JSON")] = False,
+    ) -> None:
+        """Your sweeps, newest first: status, trials made of the budget, the best value."""
+        with make_client() as client:
+            sweeps = client.sweeps(limit)
+        if as_json:
+            typer.echo(json.dumps(sweeps, indent=2))
+            return
+        typer.echo(sweep_rows(sweeps))
 
     @sweep_app.command("status")
     @cli_errors

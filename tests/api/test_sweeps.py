@@ -12,9 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from service.api.jobs.schemas import JobSpec
+from service.api.scheduling.limits import check_run_disk
 from service.api.sweeps.sweeper import Sweeper
-from tests.api.support import Api, WorkerSim
+from service.cli import main as cli
+from tests.api.support import Api, Uvicorn, WorkerSim
 
 TRAIN = {"steps": 8, "eval": {"every": 0}, "model": {"n_layer": 1, "d_model": 16, "n_head": 2}}
 
@@ -192,3 +196,54 @@ def test_cancel_a_sweep_cancels_its_trials(api: Api) -> None:
     assert len(_sweep(api, sweep_id)["trials"]) == 2  # nothing proposed after the cancel
     other = api.client.get(f"/v1/sweeps/{sweep_id}", headers=api.headers(api.other_token))
     assert other.status_code == 404
+
+
+def test_trials_wait_for_the_owners_limits_and_the_sweep_says_why(api: Api) -> None:
+    s = api.services
+
+    def sweeper(**settings: Any) -> Sweeper:
+        return Sweeper(s.settings.model_copy(update=settings), s.sessions, s.redis, s.dispatcher)
+
+    sweep_id = _post(api, _body(api)).json()["id"]  # parallelism 2
+    sweeper(max_queued_per_owner=1).run_once()
+    sweep = _sweep(api, sweep_id)
+    assert [t["number"] for t in sweep["trials"]] == [0] and sweep["proposed"] == 1
+    assert sweep["status"] == "running" and "waits" in sweep["message"], sweep["message"]
+    assert "queued" in sweep["message"]
+
+    disk = check_run_disk(JobSpec.model_validate(_body(api)["base"]), s.settings)
+    assert disk > 0
+    sweeper(runs_max_owner_bytes=disk * 3 // 2).run_once()  # room for one trial's run only
+    sweep = _sweep(api, sweep_id)
+    assert [t["number"] for t in sweep["trials"]] == [0] and sweep["proposed"] == 1
+    assert "TRAINQ_RUNS_MAX_OWNER_BYTES" in sweep["message"]
+
+    sweeper().run_once()  # the limits lifted: the trial that waited is proposed, no other
+    sweep = _sweep(api, sweep_id)
+    assert [t["number"] for t in sweep["trials"]] == [0, 1] and sweep["message"] is None
+    twin = _post(api, _body(api)).json()["id"]  # the same seed, never held back
+    sweeper().run_once()
+    assert [t["params"] for t in _sweep(api, twin)["trials"]] == [
+        t["params"] for t in sweep["trials"]
+    ]
+
+
+def test_trainq_sweep_list(api: Api) -> None:
+    first = _post(api, _body(api, name="lr-a")).json()["id"]
+    second = _post(api, _body(api, name="lr-b", budget=3)).json()["id"]
+    _sweeper(api).run_once()
+    with Uvicorn(api.app) as server:
+        env = {"TRAINQ_URL": server.url, "TRAINQ_TOKEN": api.token}
+        listed = CliRunner().invoke(cli.app, ["sweep", "list"], env=env, catch_exceptions=False)
+        assert listed.exit_code == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        assert lines[0].split() == [
+            "ID", "NAME", "STATUS", "METHOD", "TRIALS", "METRIC", "BEST", "CREATED",
+        ]  # fmt: skip
+        assert [line.split()[:5] for line in lines[1:]] == [
+            [second, "lr-b", "running", "random", "2/3"],
+            [first, "lr-a", "running", "random", "2/4"],
+        ]
+        env["TRAINQ_TOKEN"] = api.other_token
+        none = CliRunner().invoke(cli.app, ["sweep", "list"], env=env, catch_exceptions=False)
+        assert none.exit_code == 0 and none.stdout.strip() == "no sweeps"

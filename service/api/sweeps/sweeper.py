@@ -10,7 +10,14 @@ Per running sweep, in one transaction with the sweep's row locked:
    worker's SIGTERM, a checkpoint, the job ends ``stopped_early``, no retry spent);
 3. propose trials up to the parallelism and the budget: ask Optuna, insert the trial's job
    (an ordinary queued job with ``sweep`` and ``params``; the Idempotency-Key
-   ``sweep:{id}:{n}`` makes a second trial n impossible);
+   ``sweep:{id}:{n}`` makes a second trial n impossible). A trial is a submit of the sweep's
+   owner and meets the owner's limits as one does: past ``max_queued`` or
+   ``submits_per_minute`` (``service.api.scheduling.ratelimit``) no trial is asked for, and a
+   trial whose run would pass the owner's room for runs (``TRAINQ_RUNS_MAX_OWNER_BYTES``,
+   ``service.api.jobs.room``, checked under the owner's lock like a submit) is taken back
+   (the study as it was before the ask, so the same trial is proposed again later). Either
+   way the trial waits for a later pass, and the sweep's ``message`` says why until then;
+   nothing is spent of the budget;
 4. store the study and the count of proposals (compare-and-set on the old count), and end
    the sweep (``finish_sweep``) once its budget is spent and no trial is left.
 
@@ -21,24 +28,24 @@ that dies anywhere before leaves nothing proposed, and a trial proposed is in th
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from service.api.core.auth import owner_principal
-from service.api.core.errors import TrainqError
+from service.api.core.errors import InvalidInput, TooManyRequests, TrainqError
 from service.api.core.models import JOBS, METRICS, SWEEPS, TERMINAL, utcnow
 from service.api.events.record import record_event
-from service.api.jobs import crud
+from service.api.jobs import crud, room
 from service.api.jobs.state import STOPPED_EARLY, Outcome, stop_early
 from service.api.jobs.vet import spec_from_payload, vet_spec
 from service.api.scheduling.dispatch import dispatch_attempts
-from service.api.scheduling.limits import OwnerLimitsCache
 from service.api.scheduling.passlock import StorePass, one_pass
+from service.api.scheduling.ratelimit import SubmitLimits
 from service.api.streams.notify import publish_status, signal_cancel
 from service.api.sweeps import search, space
 
@@ -96,9 +103,9 @@ class _Pass:
 class Sweeper(StorePass):
     lock_name = "sweeps"
 
-    @functools.cached_property
-    def owners(self) -> OwnerLimitsCache:
-        return OwnerLimitsCache(self.settings)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = SubmitLimits(self.settings, self.redis, self.settings.redis_prefix)
 
     def run_once(self) -> int | None:
         """One pass over the running sweeps, if no other replica holds the lock; the number
@@ -182,8 +189,18 @@ class Sweeper(StorePass):
         owner = owner_principal(session, row.owner, self.settings.auth_enabled)
         reader, data_root = session.get_bind(), self.settings.data_root
         assert isinstance(reader, Engine)  # reads of its own, beside this transaction
-        own = self.owners.get(reader.connect, row.owner)
+        own = self.limits.owners.get(self.sessions, row.owner)
+        room_limit = self.settings.runs_max_owner_bytes
+        waiting: str | None = None  # why the next trial waits, if it does
         while active < row.parallelism and proposed < limit:
+            if own.submits_per_minute or own.max_queued:
+                try:
+                    # counted in this transaction: it sees the trials this pass made
+                    self.limits.check(lambda: nullcontext(session), row.owner, own)
+                except TooManyRequests as exc:
+                    waiting = f"the next trial waits: {exc.message}"
+                    break
+            before = search.dump(study) if room_limit else None
             if row.method == "grid":
                 study.enqueue_trial(space.grid(row.space, proposed))
             trial = study.ask(dists)
@@ -195,6 +212,14 @@ class Sweeper(StorePass):
                 log.info("sweep %s trial %d cannot be submitted: %s", row.id, trial.number, exc)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 continue
+            if room_limit and disk and before is not None:
+                room.lock(session, row.owner)  # as a submit under the bound: one at a time
+                try:
+                    room.check(session, row.owner, disk, room_limit)
+                except InvalidInput as exc:
+                    study, proposed = search.load(before), proposed - 1  # asked again later
+                    waiting = f"the next trial waits: {exc.message}"
+                    break
             made = crud.job_row(owner, spec, f"sweep:{row.id}:{trial.number}", disk)
             made["sweep"] = row.id
             made["params"] = dict(trial.params)
@@ -204,8 +229,10 @@ class Sweeper(StorePass):
         result = session.execute(
             update(SWEEPS)
             .where(SWEEPS.c.id == row.id, SWEEPS.c.proposed == row.proposed)
-            .values(study=search.dump(study), proposed=proposed)
+            .values(study=search.dump(study), proposed=proposed, message=waiting)
         )
+        if waiting is not None and waiting != row.message:
+            log.info("sweep %s: %s", row.id, waiting)
         if not result.rowcount:  # type: ignore[attr-defined]
             raise RuntimeError("another pass changed the sweep meanwhile; it is done next time")
         if proposed >= limit and active == 0:
