@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import early
+
 REPO = Path(__file__).resolve().parent.parent
 REDIS_HOST = os.environ.get("TRAINQ_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("TRAINQ_TEST_REDIS_PORT", "6379"))
@@ -25,6 +27,14 @@ PG_ADMIN_URL = os.environ.get(
 # How long a session waits for a Redis database number while other sessions hold all 14;
 # under pytest-timeout's 300 s a test, so the error that names the holders comes first.
 CLAIM_WAIT_S = 240.0
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    early.start_all(session.config, session.items)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    early.stop_all(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,8 @@
 """`trainq up --demo` from a fresh virtual environment: ready, the demo succeeds, Ctrl-C
 leaves no process behind.
 
-The environment is a real one: `python -m venv` (no system site packages), then
+The environment is a real one, built in the background from the session's start
+(tests/early.py): `python -m venv` (no system site packages), then
 `pip install torch==2.13.0 <a copy of the repo>` (pip takes the CPU torch on this disk), so
 a missing dependency or package file fails here the way it would for a new user. The
 command then runs in an empty folder with no PYTHONPATH and nothing of the test session's
@@ -13,21 +14,18 @@ looked up by pid in /proc.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests import early
 from tests.e2e.system import free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-
-PACKAGE = ["pyproject.toml", "README.md", "service", "worker", "trainer", "migrations"]
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -64,37 +62,13 @@ def _tree(root: int) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def venv(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("venv")
-    src = root / "src"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in PACKAGE:
-        path = repo_root / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=ignore)
-        else:
-            shutil.copy2(path, src / name)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=120)
-    pip = subprocess.run(
-        # README's install command: the package with its hf extra.
-        [
-            str(root / "venv/bin/python"),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "torch==2.13.0",
-            f"{src}[hf]",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,  # transformers and its dependencies too, as the README installs
-    )
-    assert pip.returncode == 0, pip.stderr[-3000:]
-    return root / "venv"
+def venv(request: pytest.FixtureRequest) -> Path:
+    """The fresh environment, built while the session ran the tests before this one
+    (tests/early.py: `python -m venv`, then pip installs torch and a copy of the repo)."""
+    check = request.config.stash[early.VENV]
+    code, output = check.result(timeout=900)  # transformers and its dependencies too
+    assert code == 0, output[-3000:]
+    return check.folder / "venv"
 
 
 def test_trainq_up_demo_from_a_fresh_venv(venv: Path, tmp_path: Path) -> None:
