@@ -1,5 +1,7 @@
 """The moe family (trainer/moe.py) under real torchrun (CPU, gloo): one process == DDP ==
-FSDP2 with activation checkpointing, the router's metrics, exact resume from a checkpoint;
+FSDP2 with activation checkpointing == expert parallelism (4 ranks, experts split over pairs),
+the router's metrics, exact resume from a checkpoint, and across expert-parallel sizes (an
+EP run's checkpoint exports to Mixtral);
 ``train.init`` from a folder transformers' ``MixtralForCausalLM`` saved gives transformers'
 first loss, its router aux loss included; a LoRA moe exports as PEFT adapters on Mixtral.
 (Greedy decoding of the Mixtral export against transformers' ``generate``:
@@ -68,7 +70,9 @@ def moe_runs(
         "single": (moe_config(), 1),
         "ddp": (moe_config(batch=half), 2),
         "fsdp_ac": (moe_config(strategy="fsdp", batch=half, activation_checkpointing="full"), 2),
-        "ep": (moe_config(batch=half, **EP), 2),  # the experts split over the 2 ranks
+        # 4 ranks, the experts split over pairs of them: dispatch within a pair, the experts'
+        # gradients summed across the pairs
+        "ep": (moe_config(batch={"micro_batch_size": 2, "grad_accum_steps": 1}, **EP), 4),
     }
     for name, (cfg, n) in configs.items():
         code, out = runs.run(cfg, tmp / name, data_root, subprocess_env, nproc=n)
@@ -149,7 +153,7 @@ def test_moe_resumes_across_expert_parallel_sizes(
         want = {r["step"]: r for r in runs.metrics(moe_runs[straight])}
         for key in ("loss", "aux_loss"):
             got = [r[key] for r in resumed]
-            assert got == pytest.approx([want[r["step"]][key] for r in resumed], abs=1e-5), key
+            assert got == pytest.approx([want[r["step"]][key] for r in resumed], abs=1e-4), key
 
 
 def test_an_expert_parallel_run_exports_to_mixtral(
