@@ -12,7 +12,9 @@ a small TCP relay in this process from ``.1:PORT`` on the bridge to Redis. One r
 host lets a test cut one host off Redis alone (``Forwarder.cut``), while the others go on.
 
 Faults: ``Host.kill_all`` (every process of the namespace, SIGKILL), ``Host.link(False)``
-(the root side of its veth down: the host is cut off, its processes keep running).
+(the root side of its veth down: the host is cut off, its processes keep running);
+``Forwarder.reset`` ends the relayed connections once a link is back, so a host learns of the
+outage at once rather than at TCP's next retransmission.
 
 Everything made is undone by ``close`` (namespaces, links, processes, relays), which the
 fixtures call from a finalizer, so a failing test leaves nothing behind. ``available()``
@@ -153,6 +155,19 @@ class Forwarder:
     def resume(self) -> None:
         if self._server is None:
             self.start()
+
+    def reset(self) -> None:
+        """End every relayed connection now, and go on listening. After a link comes back,
+        a peer that sent nothing while it was down (a client blocked in a read) would learn
+        of the outage only by TCP's next retransmission, up to the outage's length later;
+        reset, each side sees its connection end at once and connects again."""
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
 
     close = cut
 
