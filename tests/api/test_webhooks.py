@@ -34,6 +34,7 @@ from service.api.core.models import EVENTS, WEBHOOK_DELIVERIES, WEBHOOKS, utcnow
 from service.api.core.settings import Settings
 from service.api.scheduling.retention import Retention
 from service.api.webhooks.delivery import Deliverer
+from service.api.webhooks.sender import Connection, SendFailed
 from tests.api.support import Api, WorkerSim, forget_jobs_since, free_port, make_tokens
 from trainer.outbound import OutboundRefused, Unresolved, check_url, pinned_addresses
 
@@ -417,6 +418,12 @@ def test_outbound_policy_even_when_private_targets_are_allowed() -> None:
     assert "127.0.0.1" in pinned_addresses("localhost", 80, allow_private=True)
     with pytest.raises(OutboundRefused, match="does not resolve"):
         pinned_addresses(f"{uuid.uuid4().hex}.invalid", 80)
+    # The request is written by hand (one send): a path that is not ASCII is refused, not sent
+    odd = Connection(
+        "http://127.0.0.1:9/h\u00e9", timeout_s=1, max_response_bytes=1, allow_private=True
+    )
+    with pytest.raises(SendFailed, match="not ASCII"):
+        odd.post(b"{}", {})
 
 
 def test_events_are_owned_and_paged(api: Api) -> None:
