@@ -205,6 +205,20 @@ def _cpu(procs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _commits(engine: sa.Engine) -> int:
+    """Transactions committed in the bench's own database so far (PostgreSQL's statistics,
+    flushed within a second or so: a window's figure is close, not exact)."""
+    time.sleep(1.0)  # let the backends flush their counts
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+                )
+            ).scalar_one()
+        )
+
+
 def phase_run(
     s: Stack,
     phase: str,
@@ -219,6 +233,7 @@ def phase_run(
     times: list[float] = []
     loop = threading.Thread(target=lambda: times.extend(get_loop(get_url, s.auth, stop)))
     before, _ = received(count_url)
+    commits0 = _commits(engine)
     cpu0, t0 = _cpu(procs), time.monotonic()
     loop.start()
     result: dict[str, Any] = {}
@@ -244,6 +259,7 @@ def phase_run(
     result["get"]["mean"] = 1000 * sum(times) / max(1, len(times))
     result["cores"] = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0}
     result["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    result["commits"] = _commits(engine) - commits0
     return result
 
 
@@ -308,6 +324,10 @@ def main() -> None:
             k: 1000 * median([b["cpu_s"][k] for b in busy]) / args.events for k in busy[-1]["cpu_s"]
         }
         print(f"{'':8s} CPU per delivery: " + ", ".join(f"{k} {v:.3f} ms" for k, v in per.items()))
+        # the GETs commit too: the quiet windows' commits per GET, taken off the busy ones'
+        per_get = median([q["commits"] / max(1, q["get"]["n"]) for q in quiet])
+        own = median([(b["commits"] - per_get * b["get"]["n"]) / args.events for b in busy])
+        print(f"{'':8s} database commits per delivery (the GETs' taken off): {own:.3f}")
     print(json.dumps({"met": ok}))
 
 
