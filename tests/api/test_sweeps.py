@@ -78,6 +78,15 @@ def _run(api: Api, sim: Callable[..., WorkerSim], job_id: str, losses: list[floa
         ({"metric": "val_loss"}, "metric"),  # the base never evaluates
         ({"method": "grid"}, "method"),  # a continuous range has no grid
         ({"budget": 0}, "budget"),
+        (  # 3 x 100 values, each a submit's checks in the one request: past the 256
+            {
+                "space": {
+                    f"train.{p}": {"type": "choice", "values": [0.5 + i / 1000 for i in range(100)]}
+                    for p in ("optim.lr", "optim.weight_decay", "optim.grad_clip")
+                }
+            },
+            "space",
+        ),
         ({"parallelism": 10_000}, "parallelism"),
         ({"goal": "lowest"}, "goal"),
         ({"early_stop": {"method": "hyperband"}}, "early_stop"),

@@ -82,23 +82,39 @@ def test_a_base_that_starts_from_another_owners_job_is_a_422_at_base(api: Api) -
 
 
 def test_each_trial_is_checked_again_when_the_sweeper_makes_it(api: Api) -> None:
-    """bob's sweep starts from his own job; he deletes that job before the sweeper's pass.
-    The pass makes no trial from a job that is gone (the check a submit makes, made again
-    for the trial), and the sweep ends saying so instead of running them."""
+    """bob's sweep starts from his own jobs; he deletes some before the sweeper's pass. A
+    base that no longer passes (its init job gone) makes the next trial wait, saying why,
+    with nothing of the budget spent; a trial whose own value no longer passes is not run,
+    counts as failed, and the sweep says which."""
     bob_token = api.other_token
     bob = api.headers(bob_token)
+    s = api.services
+    sweeper = Sweeper(s.settings, s.sessions, s.redis, s.dispatcher)
     start = _ended(api, bob_token)
     space = {"train.optim.lr": _choice(1e-3, 1e-2)}
     made = api.client.post("/v1/sweeps", json=_sweep(api, space, init={"job": start}), headers=bob)
     assert made.status_code == 201, made.text
-    sweep_id = made.json()["id"]
-    assert api.client.delete(f"/v1/jobs/{start}", headers=bob).status_code == 204
-    s = api.services
-    Sweeper(s.settings, s.sessions, s.redis, s.dispatcher).run_once()
-    sweep = api.client.get(f"/v1/sweeps/{sweep_id}", headers=bob).json()
+    waits = made.json()["id"]
+    kept, gone = _ended(api, bob_token), _ended(api, bob_token)
+    space = {"train.init.job": _choice(kept, gone)}
+    made = api.client.post("/v1/sweeps", json=_sweep(api, space), headers=bob)
+    assert made.status_code == 201, made.text
+    one_refused = made.json()["id"]
+    for job_id in (start, gone):
+        assert api.client.delete(f"/v1/jobs/{job_id}", headers=bob).status_code == 204
+    sweeper.run_once()
+    sweep = api.client.get(f"/v1/sweeps/{waits}", headers=bob).json()
+    assert sweep["status"] == "running" and sweep["proposed"] == 0, sweep
     assert sweep["trials"] == [], sweep
-    assert sweep["proposed"] == 2 and sweep["status"] == "finished", sweep
-    assert api.client.get("/v1/jobs", headers=bob).json()["items"] == []
+    assert sweep["message"].startswith("the next trial waits: train.init.job: "), sweep
+    assert f"job {start} not found" in sweep["message"], sweep
+    sweep = api.client.get(f"/v1/sweeps/{one_refused}", headers=bob).json()
+    assert sweep["proposed"] == 2, sweep
+    assert [t["params"] for t in sweep["trials"]] == [{"train.init.job": kept}], sweep
+    assert f"trial 1 was not run: train.init.job: job {gone} not found" in sweep["message"]
+    trial = api.client.get(f"/v1/jobs/{sweep['trials'][0]['job_id']}", headers=bob).json()
+    assert trial["train"]["init"]["job"] == kept
+    api.client.post(f"/v1/jobs/{trial['id']}/cancel", headers=bob)
 
 
 def test_an_admins_sweep_keeps_its_rights_while_its_admin_token_lives(api: Api) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "TrainqError",
     "Unauthorized",
     "Unavailable",
+    "first_complaint",
 ]
 
 
@@ -44,6 +45,15 @@ class TrainqError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+def first_complaint(exc: TrainqError) -> str:
+    """An error in one line: its first complaint, with the field it names (InvalidInput)."""
+    errors = getattr(exc, "errors", None)
+    if not errors:
+        return str(exc)
+    loc = ".".join(str(p) for p in errors[0]["loc"] if p != "body")
+    return f"{loc}: {errors[0]['msg']}" if loc else str(errors[0]["msg"])
 
 
 class Unauthorized(TrainqError):

@@ -95,10 +95,17 @@ def needs_io(spec: JobSpec, own: OwnerLimits) -> bool:
 
 
 def vet_spec(
-    settings: Settings, reader: Engine, principal: Principal, spec: JobSpec, own: OwnerLimits
+    settings: Settings,
+    reader: Engine,
+    principal: Principal,
+    spec: JobSpec,
+    own: OwnerLimits,
+    check_urls: bool = True,
 ) -> tuple[JobSpec, int]:
     """The spec as it is stored for ``principal`` and its run folder's worst size in bytes;
-    InvalidInput (422) or Forbidden (403, priority) naming what is wrong."""
+    InvalidInput (422) or Forbidden (403, priority) naming what is wrong. ``check_urls``
+    False skips resolving the tracking URL: for specs that differ from one already checked
+    only in fields other than ``train.tracking`` (a sweep's trials)."""
     train = spec.train
     if train.init is not None and train.init.job is not None:
         with reader.connect() as conn:
@@ -113,6 +120,6 @@ def vet_spec(
     disk = check_run_disk(spec, settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
     check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
     spec = with_owner_default(spec, own.tracking)  # train.tracking, when the spec names none
-    if needs_check(spec):  # an outbound URL: resolved
+    if check_urls and needs_check(spec):  # an outbound URL: resolved
         check_tracking(spec, settings)
     return spec, disk

@@ -45,9 +45,10 @@ def _validate(services: Services, principal: Principal, body: SweepIn) -> dict[s
         raise _under("base", exc) from exc
     base = spec.model_dump(mode="json")
 
-    def vet(payload: dict[str, Any]) -> None:
+    def vet(payload: dict[str, Any], path: str) -> None:
         trial = spec_from_payload(payload, settings.data_root)
-        vet_spec(settings, services.reader, principal, trial, own)
+        urls = path.startswith("train.tracking")  # else the base's URL, checked above
+        vet_spec(settings, services.reader, principal, trial, own, check_urls=urls)
 
     space.check_space(base, dict(body.space), vet)
     if body.metric not in ("loss", "val_loss"):

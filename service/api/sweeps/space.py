@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from service.api.core.errors import Forbidden, InvalidInput
+from service.api.core.errors import Forbidden, InvalidInput, first_complaint
 from service.api.jobs.schemas import JobSpec
 from service.api.sweeps.schemas import Choice, IntRange, Param, Uniform
 from trainer.config import drop_replaced
@@ -87,12 +87,25 @@ def _samples(param: Param) -> list[Any]:
     return [param.low, param.high]
 
 
+# The values a sweep's space may ask to be checked at its creation, in all: each is a submit's
+# checks (files, queries; DNS for a tracking URL), all in one request.
+MAX_SAMPLES = 256
+
+
 def check_space(
-    base: dict[str, Any], space: dict[str, Param], vet: Callable[[dict[str, Any]], object]
+    base: dict[str, Any], space: dict[str, Param], vet: Callable[[dict[str, Any], str], object]
 ) -> None:
     """InvalidInput naming ``space.<path>`` for a path that is no spec field, a range that is
     empty, or a value that makes a spec its owner may not submit: each value tried (every
-    choice, both ends of a range) goes through ``vet``, every check a submit makes."""
+    choice, both ends of a range) goes through ``vet(spec, path)``, every check a submit
+    makes; at most ``MAX_SAMPLES`` of them (a 422 naming ``space``)."""
+    samples = sum(len(_samples(param)) for param in space.values())
+    if samples > MAX_SAMPLES:
+        raise InvalidInput.at(
+            ["body", "space"],
+            f"the space has {samples} values to check (each choice, both ends of each range);"
+            f" at most {MAX_SAMPLES}",
+        )
     for path, param in space.items():
         where: list[str | int] = ["body", "space", path]
         if not _is_field(path) or path.split(".")[0] not in VARIABLE:
@@ -109,14 +122,12 @@ def check_space(
             raise InvalidInput.at(where, "a log scale needs low > 0")
         for value in _samples(param):
             try:
-                vet(apply(base, {path: value}))
+                vet(apply(base, {path: value}), path)
             except (InvalidInput, Forbidden) as exc:
-                errors = getattr(exc, "errors", None) or [{"loc": [], "msg": str(exc)}]
-                loc = ".".join(str(p) for p in errors[0]["loc"] if p != "body")
                 raise InvalidInput.at(
                     where,
                     f"the value {value!r} makes a spec that cannot be submitted:"
-                    f" {loc + ': ' if loc else ''}{errors[0]['msg']}",
+                    f" {first_complaint(exc)}",
                 ) from exc
 
 

@@ -37,7 +37,12 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from service.api.core.auth import owner_principal
-from service.api.core.errors import InvalidInput, TooManyRequests, TrainqError
+from service.api.core.errors import (
+    InvalidInput,
+    TooManyRequests,
+    TrainqError,
+    first_complaint,
+)
 from service.api.core.models import JOBS, METRICS, SWEEPS, TERMINAL, utcnow
 from service.api.events.record import record_event
 from service.api.jobs import crud, room
@@ -192,34 +197,43 @@ class Sweeper(StorePass):
         own = self.limits.owners.get(self.sessions, row.owner)
         room_limit = self.settings.runs_max_owner_bytes
         waiting: str | None = None  # why the next trial waits, if it does
-        while active < row.parallelism and proposed < limit:
-            if own.submits_per_minute or own.max_queued:
-                try:
-                    # counted in this transaction: it sees the trials this pass made
-                    self.limits.check(lambda: nullcontext(session), row.owner, own)
-                except TooManyRequests as exc:
-                    waiting = f"the next trial waits: {exc.message}"
-                    break
-            before = search.dump(study) if room_limit else None
+        refused: str | None = None  # the last trial of this pass its values made refused
+        urls = any(path.startswith("train.tracking") for path in row.space)
+        try:  # the base alone, now: what no trial's values change (an init job deleted, say)
+            base = spec_from_payload(space.apply(row.base, {}), data_root)
+            vet_spec(self.settings, reader, owner, base, own)
+        except TrainqError as exc:
+            waiting = f"the next trial waits: {first_complaint(exc)}"
+        failed = 0  # trials refused this pass: at most the parallelism, then the next pass
+        while waiting is None and active < row.parallelism and proposed < limit:
+            if failed >= row.parallelism:
+                break
+            before = search.dump(study)
             if row.method == "grid":
                 study.enqueue_trial(space.grid(row.space, proposed))
             trial = study.ask(dists)
             proposed += 1
             try:  # every check of a submit, for the owner, now (service.api.jobs.vet)
                 spec = spec_from_payload(space.apply(row.base, trial.params), data_root)
-                spec, disk = vet_spec(self.settings, reader, owner, spec, own)
-            except TrainqError as exc:  # allowed by the space, not (or no longer) by the spec
-                log.info("sweep %s trial %d cannot be submitted: %s", row.id, trial.number, exc)
+                spec, disk = vet_spec(self.settings, reader, owner, spec, own, check_urls=urls)
+            except TrainqError as exc:  # its values: allowed by the space, not by the spec
+                refused = f"trial {trial.number} was not run: {first_complaint(exc)}"
+                log.info("sweep %s %s", row.id, refused)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                failed += 1
                 continue
-            if room_limit and disk and before is not None:
-                room.lock(session, row.owner)  # as a submit under the bound: one at a time
-                try:
+            try:
+                if room_limit and disk:
+                    room.lock(session, row.owner)  # as a submit under the bound: one at a time
                     room.check(session, row.owner, disk, room_limit)
-                except InvalidInput as exc:
-                    study, proposed = search.load(before), proposed - 1  # asked again later
-                    waiting = f"the next trial waits: {exc.message}"
-                    break
+                if own.submits_per_minute or own.max_queued:
+                    # last, so only a trial that is made counts; counted in this transaction,
+                    # which sees the trials this pass made
+                    self.limits.check(lambda: nullcontext(session), row.owner, own)
+            except (InvalidInput, TooManyRequests) as exc:
+                study, proposed = search.load(before), proposed - 1  # asked again later
+                waiting = f"the next trial waits: {exc.message}"
+                break
             made = crud.job_row(owner, spec, f"sweep:{row.id}:{trial.number}", disk)
             made["sweep"] = row.id
             made["params"] = dict(trial.params)
@@ -229,14 +243,15 @@ class Sweeper(StorePass):
         result = session.execute(
             update(SWEEPS)
             .where(SWEEPS.c.id == row.id, SWEEPS.c.proposed == row.proposed)
-            .values(study=search.dump(study), proposed=proposed, message=waiting)
+            .values(study=search.dump(study), proposed=proposed, message=waiting or refused)
         )
         if waiting is not None and waiting != row.message:
             log.info("sweep %s: %s", row.id, waiting)
         if not result.rowcount:  # type: ignore[attr-defined]
             raise RuntimeError("another pass changed the sweep meanwhile; it is done next time")
         if proposed >= limit and active == 0:
-            finish_sweep(session, row.id, "finished", f"{proposed} trial(s) done")
+            ended = f"{proposed} trial(s) done" + (f"; {refused}" if refused else "")
+            finish_sweep(session, row.id, "finished", ended)
 
     @staticmethod
     def _tell(study: Any, trial: Any, job: Any, metric: str) -> None:
