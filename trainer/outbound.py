@@ -108,6 +108,11 @@ def check_url(url: str, *, allow_private: bool = False) -> urllib.parse.SplitRes
         raise OutboundRefused("must be an http or https URL of at most 2048 characters")
     if any(ord(c) < 33 or ord(c) == 127 for c in url):
         raise OutboundRefused("must not contain spaces or control characters")
+    if not url.isascii():  # what is sent is what was checked: no encoding on the way
+        raise OutboundRefused(
+            "must be ASCII: write a host name in its punycode form (xn--...) and"
+            " percent-encode the rest"
+        )
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port

@@ -348,6 +348,8 @@ REFUSED = [
     "ftp://example.com/hook",
     "http:///nohost",
     "http://user:pw@example.com/",
+    "https://b\u00fccher.example/hook",  # IDNA: accepted, then never sent (the sender's Host)
+    "https://example.com/h\u00e9",
 ]
 
 
