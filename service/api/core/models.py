@@ -323,7 +323,10 @@ class EventRecord(Base):
     dedupe_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime]
 
-    __table_args__ = (Index("ix_events_owner_id", "owner", "id"),)
+    __table_args__ = (
+        Index("ix_events_owner_id", "owner", "id"),
+        Index("ix_events_created_at", "created_at"),  # retention walks the old ones
+    )
 
 
 class Webhook(Base):
@@ -352,6 +355,7 @@ class Webhook(Base):
 
 DUE_DELIVERY = text("status IN ('pending', 'sending')")
 LIVE_DELIVERY = text("status IN ('pending', 'sending', 'waiting')")
+ENDED_DELIVERY = text("status IN ('delivered', 'failed')")
 
 
 class WebhookDelivery(Base):
@@ -385,6 +389,11 @@ class WebhookDelivery(Base):
         Index("ix_webhook_deliveries_live_endpoint_job", "endpoint_id", "job_id", "event_id",
               postgresql_where=LIVE_DELIVERY, sqlite_where=LIVE_DELIVERY),
         Index("ix_webhook_deliveries_endpoint_id_id", "endpoint_id", "id"),
+        # retention (service.api.scheduling.retention): the ended ones by age, and an old
+        # event's deliveries whatever their status
+        Index("ix_webhook_deliveries_ended_updated_at", "updated_at",
+              postgresql_where=ENDED_DELIVERY, sqlite_where=ENDED_DELIVERY),
+        Index("ix_webhook_deliveries_event_id", "event_id"),
     )  # fmt: skip
 
 

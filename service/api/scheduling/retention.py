@@ -194,7 +194,8 @@ def remove_run_dir(runs_root: Path, job_id: str) -> bool:
 def prune_events(db: sessionmaker[Session] | Engine, days: float, limit: int = PASS_MAX) -> int:
     """Delete the webhook deliveries that ended over ``days`` ago, and the events older than
     that which no unfinished delivery needs and every enabled endpoint of their owner has
-    fanned out; at most ``limit`` of each, in batches of ``BATCH``. The events deleted."""
+    fanned out; at most ``limit`` of each, in batches of ``BATCH``. The larger of the two
+    counts (``limit``: more may be left)."""
     cutoff = utcnow() - timedelta(days=days)
     d = WEBHOOK_DELIVERIES
     needed = exists().where(d.c.event_id == EVENTS.c.id, d.c.status.not_in(_ENDED_DELIVERY))
@@ -242,7 +243,7 @@ def prune_events(db: sessionmaker[Session] | Engine, days: float, limit: int = P
             ended,
             days,
         )
-    return events
+    return max(events, ended)
 
 
 class Retention:
@@ -252,6 +253,7 @@ class Retention:
         self, settings: Settings, sessions: sessionmaker[Session] | Engine, redis: Any
     ) -> None:
         self.settings = settings
+        self.backlog = False  # the last pass left events due
         self.sessions = sessions
         self.redis = redis
         self.keys = Keys(settings.redis_prefix)
@@ -280,11 +282,12 @@ class Retention:
         if jobs_days <= 0 and events_days <= 0:
             return 0
         deleted = 0
+        self.backlog = False
         with one_pass(self.redis, self.lock_key, LOCK_TTL_S) as mine:
             if not mine:
                 return 0
-            if events_days > 0:
-                prune_events(self.sessions, events_days)
+            if events_days > 0:  # a full pass: more are due, the next one comes soon
+                self.backlog = prune_events(self.sessions, events_days) >= PASS_MAX
             if jobs_days > 0:
                 deleted = delete_jobs(
                     self.sessions,
@@ -306,4 +309,5 @@ class Retention:
                 done = self.run_once()
             except Exception as exc:  # an outage: the next pass tries again
                 log.warning("retention: %s", exc)
-            stop.wait(BACKLOG_PAUSE_S if done >= PASS_MAX else self.settings.retention_interval_s)
+            more = done >= PASS_MAX or self.backlog
+            stop.wait(BACKLOG_PAUSE_S if more else self.settings.retention_interval_s)
