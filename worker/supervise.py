@@ -68,7 +68,9 @@ def _label(msg: JobMessage) -> str:
 
 
 class Unreachable(Exception):
-    """Redis did not answer the claim: nothing was claimed or started."""
+    """Redis did not answer the claim: nothing was started (a claim whose reply was lost
+    holds the key, and the reconciler calls that attempt lost, as for any claim that never
+    ran)."""
 
 
 def _claim(ctx: WorkerContext, msg: JobMessage) -> bool:

@@ -26,7 +26,7 @@ def run_attempt_task(self: Any, payload: dict[str, Any]) -> None:
     try:
         run_attempt(msg, ctx)
     except Unreachable as exc:
-        # Nothing was claimed or started. Early ack took the message off its queue: it goes
+        # Nothing was started. Early ack took the message off its queue: it goes
         # back there, for a worker that reaches Redis (this one stops consuming meanwhile,
         # worker.intake), rather than being dropped.
         info = self.request.delivery_info or {}
