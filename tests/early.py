@@ -41,7 +41,7 @@ class Check:
         if self.popen.poll() is None:
             try:
                 os.setpriority(os.PRIO_PROCESS, self.popen.pid, 0)
-            except PermissionError:
+            except (PermissionError, ProcessLookupError):  # not ours to raise; or just ended
                 pass
         code = self.popen.wait(timeout)
         return code, (self.folder / "output.log").read_text(errors="replace")
