@@ -48,7 +48,10 @@ class Check:
 
     def stop(self) -> None:
         if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended meanwhile
+                pass
             self.popen.wait(10)
         shutil.rmtree(self.folder, ignore_errors=True)
 
