@@ -41,14 +41,17 @@ class Check:
         if self.popen.poll() is None:
             try:
                 os.setpriority(os.PRIO_PROCESS, self.popen.pid, 0)
-            except PermissionError:
+            except (PermissionError, ProcessLookupError):  # not ours to raise; or just ended
                 pass
         code = self.popen.wait(timeout)
         return code, (self.folder / "output.log").read_text(errors="replace")
 
     def stop(self) -> None:
         if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended meanwhile
+                pass
             self.popen.wait(10)
         shutil.rmtree(self.folder, ignore_errors=True)
 
