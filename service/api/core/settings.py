@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -187,6 +187,17 @@ class Settings(BaseSettings):
     # to requests, at the cost of delivering slower on a busy host.
     webhook_nice: int = Field(0, ge=0, le=19)
     webhook_max_per_owner: int = Field(20, ge=1)
+
+    @model_validator(mode="after")
+    def _lease_outlives_passes(self) -> Settings:
+        # a living deliverer renews its claims once a pass: a lease shorter than a few idle
+        # passes would lapse under it and hand its deliveries to another (sent twice)
+        if self.webhook_lease_s < 3 * self.webhook_poll_s:
+            raise ValueError(
+                f"TRAINQ_WEBHOOK_LEASE_S ({self.webhook_lease_s:g}) must be at least 3 x"
+                f" TRAINQ_WEBHOOK_POLL_S ({self.webhook_poll_s:g})"
+            )
+        return self
 
     @property
     def auth_enabled(self) -> bool:

@@ -273,9 +273,16 @@ def retry_delay(settings: Settings, failures: int) -> float:
     return full / 2 + random.uniform(0, full / 2)
 
 
+# An outcome is stored only on the claim it is for (still sending, its attempts not counted
+# since): a deliverer whose lease lapsed, and whose deliveries another took over and ended,
+# changes nothing.
 _FINISH = (
     update(D)
-    .where(D.c.id == bindparam("did"))
+    .where(
+        D.c.id == bindparam("did"),
+        D.c.status == "sending",
+        D.c.attempts == bindparam("attempts") - 1,
+    )
     .values(
         status=bindparam("status"),
         attempts=bindparam("attempts"),
@@ -317,7 +324,7 @@ _FINISH_PG = text(
     " CAST(:attempts AS integer[]), CAST(:next_ats AS timestamptz[]),"
     " CAST(:last_statuses AS integer[]), CAST(:last_errors AS text[]))"
     " AS v(id, status, attempts, next_at, last_status, last_error)"
-    " WHERE d.id = v.id"
+    " WHERE d.id = v.id AND d.status = 'sending' AND d.attempts = v.attempts - 1"
 )
 _NEXT_PG = text(
     "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = :now, updated_at = :now"
