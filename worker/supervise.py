@@ -475,8 +475,8 @@ class _Attempt:
             if self.hb.lost.is_set():
                 return "superseded", (
                     f"worker {ctx.name} could not reach Redis for {self.hb.outage_s:.0f} s:"
-                    " its heartbeat expired and the service ran the job again elsewhere"
-                    " meanwhile; this node of the old attempt was stopped"
+                    " its heartbeat expired, so the service counts this attempt lost and runs"
+                    " the job again (on any worker); this node of the attempt was stopped"
                 )
             if ctx.preempt.is_set():
                 return "preempted", (
