@@ -150,6 +150,22 @@ def test_a_grid_sweep_walks_the_grid_in_order(api: Api) -> None:
     assert got == [(lr, b) for lr in (0.1, 0.01) for b in (1, 2, 3)]
 
 
+def test_a_trials_best_is_its_best_point_and_the_sweeps_best_its_last(
+    api: Api, sim: Callable[..., WorkerSim]
+) -> None:
+    space = {"train.optim.lr": {"type": "choice", "values": [0.1, 0.01]}}
+    sweep_id = _post(api, _body(api, method="grid", space=space, budget=2)).json()["id"]
+    _sweeper(api).run_once()
+    first, second = _sweep(api, sweep_id)["trials"]
+    _run(api, sim, first["job_id"], [3.0, 1.5, 2.5]).exited(0)
+    _run(api, sim, second["job_id"], [3.0, 2.0, 2.2]).exited(0)
+    api.drain()
+    _sweeper(api).run_once()
+    sweep = _sweep(api, sweep_id)
+    assert [(t["best"], t["value"]) for t in sweep["trials"]] == [(1.5, 2.5), (2.0, 2.2)]
+    assert sweep["best_trial"]["job_id"] == second["job_id"]  # Optuna is told the last value
+
+
 def test_asha_stops_the_hopeless_trials_which_end_stopped_early_with_no_retry_spent(
     api: Api, sim: Callable[..., WorkerSim]
 ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from service.api.core.auth import Principal
@@ -69,17 +69,18 @@ def _trials(session: Session, sweep: Any) -> list[TrialOut]:
             ).where(JOBS.c.sweep == sweep.id)
         )
     )  # fmt: skip
-    metric, better = sweep.metric, (min if sweep.goal == "min" else max)
+    metric = sweep.metric
     best: dict[str, float] = {}
-    if jobs:
-        for r in session.execute(
-            select(METRICS.c.job_id, METRICS.c.data).where(
-                METRICS.c.job_id.in_([j.id for j in jobs])
-            )
+    if jobs:  # each trial's best value, found by the database (not every point read here)
+        value = METRICS.c.data[metric].as_float()
+        pick = func.min(value) if sweep.goal == "min" else func.max(value)
+        for job_id, found in session.execute(
+            select(METRICS.c.job_id, pick)
+            .where(METRICS.c.job_id.in_([j.id for j in jobs]))
+            .group_by(METRICS.c.job_id)
         ):
-            value = (r.data or {}).get(metric)
-            if isinstance(value, int | float):
-                best[r.job_id] = better(best.get(r.job_id, value), value)
+            if found is not None:
+                best[job_id] = float(found)
     out = [
         TrialOut(
             number=trial_number(j.idempotency_key) or 0,  # a sweep's jobs all carry one
