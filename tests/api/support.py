@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,29 @@ class Api:
                 break
             total += n
         return total
+
+
+def through_two_replicas(api: Api, n: int, call: Callable[[TestClient], int]) -> list[int]:
+    """``call`` made by ``n`` threads released together, half of them through the test's app
+    and half through a second API replica (same store and Redis); their answers' statuses."""
+    from service.api.app import create_app
+
+    answers: list[int] = []
+    start = threading.Barrier(n)
+
+    def one(client: TestClient) -> None:
+        start.wait(timeout=30)
+        answers.append(call(client))
+
+    with TestClient(create_app(api.services.settings)) as other:
+        threads = [
+            threading.Thread(target=one, args=(api.client if i % 2 else other,)) for i in range(n)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    return answers
 
 
 def make_tokens(services: Services) -> tuple[str, str, str, str]:

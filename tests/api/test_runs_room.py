@@ -5,17 +5,14 @@ never pass the bound together."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.api.app import create_app
 from service.api.core.models import JOBS
-from tests.api.support import Api
+from tests.api.support import Api, through_two_replicas
 
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 256}
 
@@ -99,24 +96,9 @@ def test_concurrent_submits_through_two_replicas_never_pass_the_bound(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     each = _bound(api, monkeypatch, 5)
-    replica = create_app(api.services.settings)  # a second API replica: same store and Redis
-    answers: list[int] = []
-    start = threading.Barrier(16)
-
-    def submit(client: TestClient) -> None:
-        start.wait(timeout=30)
-        r = client.post("/v1/jobs", json=_body(api), headers=api.headers())
-        answers.append(r.status_code)
-
-    with TestClient(replica) as client2:
-        threads = [
-            threading.Thread(target=submit, args=(api.client if i % 2 else client2,))
-            for i in range(16)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    answers = through_two_replicas(
+        api, 16, lambda c: c.post("/v1/jobs", json=_body(api), headers=api.headers()).status_code
+    )
     assert sorted(answers) == [201] * 5 + [422] * 11, answers
     assert _held(api, api.user) == (5, 5 * each)
 

@@ -4,13 +4,9 @@ owner's lock row), and another owner's room is its own. Real app, PostgreSQL, Re
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from fastapi.testclient import TestClient
 
-from service.api.app import create_app
-from tests.api.support import Api
+from tests.api.support import Api, through_two_replicas
 
 HOOK = {"url": "https://hooks.example.com/h", "events": ["job.*"]}
 
@@ -19,23 +15,9 @@ def test_concurrent_creates_through_two_replicas_never_pass_the_bound(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(api.services.settings, "webhook_max_per_owner", 3)
-    replica = create_app(api.services.settings)  # a second API replica: same store and Redis
-    answers: list[int] = []
-    start = threading.Barrier(12)
-
-    def create(client: TestClient) -> None:
-        start.wait(timeout=30)
-        answers.append(client.post("/v1/webhooks", json=HOOK, headers=api.headers()).status_code)
-
-    with TestClient(replica) as client2:
-        threads = [
-            threading.Thread(target=create, args=(api.client if i % 2 else client2,))
-            for i in range(12)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    answers = through_two_replicas(
+        api, 12, lambda c: c.post("/v1/webhooks", json=HOOK, headers=api.headers()).status_code
+    )
     assert sorted(answers) == [201] * 3 + [422] * 9, answers
     mine = api.client.get("/v1/webhooks", headers=api.headers()).json()["items"]
     assert len(mine) == 3
