@@ -144,13 +144,7 @@ class Forwarder:
                 self._server.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (Linux)
             self._server.close()
             self._server = None
-        with self._lock:
-            conns, self._conns = list(self._conns), set()
-        for s in conns:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                s.close()
+        self.reset()
 
     def resume(self) -> None:
         if self._server is None:
