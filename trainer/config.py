@@ -457,6 +457,10 @@ class TrainConfig(_Strict):
             )
         if self.strategy == "fsdp":
             raise ValueError("expert_parallel > 1 works with strategy ddp only (not yet fsdp)")
+        if self.precision == "fp16":
+            # GradScaler skips a step on its own rank's overflow, and the ranks' expert slices
+            # differ: they would skip different steps and their replicas drift apart.
+            raise ValueError("expert_parallel > 1 does not work with precision fp16; use bf16")
         return self
 
     @property

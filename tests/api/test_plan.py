@@ -321,6 +321,7 @@ MOE = {**TINY, "family": "moe", "n_kv_head": 2, "ffn_hidden": 48, "n_experts": 4
         ({"model": {**MOE, "n_experts": 6}, "expert_parallel": 4}, [], "model.n_experts (6)"),
         ({"model": TINY, "expert_parallel": 2}, [], "needs model.family moe"),
         ({"model": MOE, "expert_parallel": 2, "strategy": "fsdp"}, [], "strategy ddp only"),
+        ({"model": MOE, "expert_parallel": 2, "precision": "fp16"}, [], "precision fp16"),
     ],
 )
 def test_bad_expert_parallel_is_a_422_naming_it(
