@@ -4,7 +4,7 @@ Layout under ``RUN_DIR/checkpoints/``::
 
     step-N/meta.json        step, tokens seen, strategy, world size, model config (rank 0)
     step-N/model.pt         DDP / one process: full model + optimizer state (rank 0); under
-                            expert parallelism the experts gathered whole first
+                            expert parallelism the experts gathered whole on rank 0 first
     step-N/dcp/             FSDP / HSDP: sharded model + optimizer (torch.distributed.checkpoint)
     step-N/scaler.pt        GradScaler state when fp16 (rank 0)
     step-N/rng-rank{r}.pt   each rank's python, numpy, torch (and CUDA) RNG
@@ -258,8 +258,9 @@ def _write(
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "dcp")
     else:
-        model_sd, optim_sd = _whole_experts(model, optimizer)  # collective under EP
-        if rank == 0:
+        whole = _whole_experts(model, optimizer, rank)  # collective under EP
+        if whole is not None:
+            model_sd, optim_sd = whole
             torch.save({"model": model_sd, "optimizer": optim_sd}, tmp / "model.pt")
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
     if rank == 0:
@@ -313,7 +314,9 @@ def load_checkpoint(
         elif strategy == "fsdp":
             _load_full_into_shards(path / "model.pt", model, optimizer)
         else:
-            state = torch.load(path / "model.pt", map_location=device, weights_only=True)
+            # Into host memory: each rank copies to its device only what it holds (its
+            # slice of the experts under expert parallelism).
+            state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
             _own_experts(state, model, optimizer)
             unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -330,9 +333,8 @@ def load_checkpoint(
 
 
 def _load_full_into_shards(file: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """A whole-model ``model.pt`` into a sharded model: every rank reads it (on the CPU; it
-    was written by a run that held all of it on each rank) and ``set_state_dict`` keeps the
-    rank's own shards of each full tensor, with no collective."""
+    """A whole-model ``model.pt`` into a sharded model: every rank reads it (on the CPU) and
+    ``set_state_dict`` keeps the rank's own shards of each full tensor, with no collective."""
     saved = torch.load(file, map_location="cpu", weights_only=True)
     set_state_dict(
         model,
@@ -378,33 +380,40 @@ def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[st
     ]
 
 
-def _gather(t: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(shard.size)]
-    dist.all_gather(parts, t.contiguous(), group=shard.group)
-    return torch.cat(parts)
+def _gather(t: torch.Tensor, shard: ExpertShard, rank: int) -> torch.Tensor | None:
+    """``t``'s slices gathered whole on rank 0, in host memory (one tensor's slices on its
+    device at a time); None on the other ranks of its group."""
+    parts = [torch.empty_like(t) for _ in range(shard.size)] if rank == 0 else None
+    dist.gather(t.contiguous(), parts, dst=0, group=shard.group)
+    return None if parts is None else torch.cat([part.cpu() for part in parts])
 
 
 def _whole_experts(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model's and the optimizer's state dicts with every expert slice (and its AdamW
-    moments) gathered whole over its group: a checkpoint of an expert-parallel run is the
-    one a DDP run writes, so it resumes at any expert_parallel, strategy or world size and
-    exports as any other. Every rank calls it (the gathers are collective)."""
-    model_sd, optim_sd = unwrap(model).state_dict(), optimizer.state_dict()
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Rank 0's model and optimizer state dicts with every expert slice (and its AdamW
+    moments) gathered whole from its group, in host memory: a checkpoint of an
+    expert-parallel run is the one a DDP run writes, so it resumes at any expert_parallel,
+    strategy or world size and exports as any other. Every rank calls it (the gathers are
+    collective within rank 0's group; the other groups hold copies of the same slices and
+    send nothing); None on every rank but 0."""
     sliced = _sliced(model, optimizer)
-    if not sliced:
-        return model_sd, optim_sd
+    shards = [shard for _, _, p in sliced if (shard := expert_shard(p)) is not None]
+    if rank != 0 and (not shards or 0 not in dist.get_process_group_ranks(shards[0].group)):
+        return None
+    model_sd = unwrap(model).state_dict() if rank == 0 else {}
+    optim_sd = optimizer.state_dict()
     state = dict(optim_sd["state"])
-    for name, index, p in sliced:
-        shard = expert_shard(p)
-        assert shard is not None
-        model_sd[name] = _gather(p.detach(), shard)
+    for (name, index, p), shard in zip(sliced, shards, strict=True):
+        whole = _gather(p.detach(), shard, rank)
+        if whole is not None:
+            model_sd[name] = whole
         if index in state:
             state[index] = {
-                k: _gather(v, shard) if v.shape == p.shape else v for k, v in state[index].items()
+                k: _gather(v, shard, rank) if v.shape == p.shape else v
+                for k, v in state[index].items()
             }
-    return model_sd, {**optim_sd, "state": state}
+    return (model_sd, {**optim_sd, "state": state}) if rank == 0 else None
 
 
 def _own_experts(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -428,7 +437,8 @@ def _whole_for_dcp(
 ) -> dict[str, tuple[int, int]]:
     """Under expert parallelism, a ``dcp/`` checkpoint (FSDP's) holds the experts whole: the
     state dicts `get_state_dict` gave get whole tensors for them to read into, in place;
-    their bounds by name, for `_cut` after the read."""
+    their bounds by name, for `_cut` after the read. The whole tensors are in host memory:
+    only the rank's slices reach its device (``set_state_dict`` copies them in)."""
     bounds = {}
     for name, p in unwrap(model).named_parameters():
         shard = expert_shard(p)
@@ -436,11 +446,11 @@ def _whole_for_dcp(
             continue
         whole = (p.shape[0] * shard.size, *p.shape[1:])
         bounds[name] = shard.bounds(whole[0])
-        model_sd[name] = p.new_empty(whole)
+        model_sd[name] = torch.empty(whole, dtype=p.dtype)
         moments = optim_sd["state"].get(name, {})
         for k, v in moments.items():
             if v.shape == p.shape:
-                moments[k] = v.new_empty(whole)
+                moments[k] = torch.empty(whole, dtype=v.dtype)
     return bounds
 
 

@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -444,20 +445,28 @@ class TrainConfig(_Strict):
             )
         return self
 
-    @model_validator(mode="after")
-    def _expert_parallel(self) -> TrainConfig:
-        ep = self.expert_parallel
+    @field_validator("expert_parallel")
+    @classmethod
+    def _expert_parallel(cls, ep: int, info: ValidationInfo) -> int:
+        # A field validator, so the error's loc names expert_parallel (a 422's
+        # ["body", "train", "expert_parallel"]); model, strategy and precision come before it,
+        # so they are validated already (absent: invalid, and reported on their own).
         if ep == 1:
-            return self
-        if not isinstance(self.model, MoeConfig):
+            return ep
+        model = info.data.get("model")
+        if model is not None and not isinstance(model, MoeConfig):
             raise ValueError("expert_parallel > 1 needs model.family moe")
-        if self.model.n_experts % ep:
+        if isinstance(model, MoeConfig) and model.n_experts % ep:
             raise ValueError(
-                f"expert_parallel ({ep}) must divide model.n_experts ({self.model.n_experts})"
+                f"expert_parallel ({ep}) must divide model.n_experts ({model.n_experts})"
             )
-        if self.strategy == "fsdp":
+        if info.data.get("strategy") == "fsdp":
             raise ValueError("expert_parallel > 1 works with strategy ddp only (not yet fsdp)")
-        return self
+        if info.data.get("precision") == "fp16":
+            # GradScaler skips a step on its own rank's overflow, and the ranks' expert slices
+            # differ: they would skip different steps and their replicas drift apart.
+            raise ValueError("expert_parallel > 1 does not work with precision fp16; use bf16")
+        return ep
 
     @property
     def tokens_per_step_per_rank(self) -> int:

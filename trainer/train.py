@@ -281,15 +281,16 @@ def _run(
     # FSDP start identical. FSDP: build on meta, shard, then materialize the shards.
     fsdp = env.distributed and cfg.strategy == "fsdp"
     gpt = _adapted(_on_meta(cfg), cfg) if fsdp else _adapted(_seeded_model(cfg, run_dir), cfg)
-    gpt = gpt if fsdp else gpt.to(device)
     flops_per_token, n_params = gpt.flops_per_token(), gpt.num_params()
     if cfg.lora is not None:
         trainable, total = lora_param_count(gpt)
         _say(env, f"LoRA: {trainable:,} trainable of {total:,} parameters "
                   f"({100 * trainable / total:.2f}%)")  # fmt: skip
     ep = cfg.expert_parallel if env.distributed else 1  # layout(): 1 alone, or a spec_error
-    if ep > 1:  # each rank keeps its slice of the experts it drew whole (one process's init)
+    if ep > 1:  # each rank keeps its slice of the experts it drew whole (one process's
+        # init), still on the CPU: only the slice reaches the device
         apply_ep(gpt, build_ep_mesh(device, world, ep))
+    gpt = gpt if fsdp else gpt.to(device)
     apply_ac(gpt, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(gpt)

@@ -44,7 +44,8 @@ ROUTER_METRICS = ("aux_loss", "router_z_loss", "expert_load_max", "expert_load_c
 
 def moe_config(**overrides: Any) -> dict[str, Any]:
     cfg = runs.config(model=dict(MOE), steps=STEPS, eval={"every": 0})
-    cfg["batch"] = {"micro_batch_size": 8, "grad_accum_steps": 1}
+    # two micro-batches of 4 rows a step (the same rows at any world size: BatchSampler)
+    cfg["batch"] = {"micro_batch_size": 4, "grad_accum_steps": 2}
     cfg["checkpoint"] = {"every": 3, "keep": 2}
     for key, value in overrides.items():
         cfg[key] = value
@@ -65,14 +66,14 @@ def moe_runs(
     tmp_path_factory: pytest.TempPathFactory, data_root: Path, subprocess_env: dict[str, str]
 ) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("moe")
-    half = {"micro_batch_size": 4, "grad_accum_steps": 1}
+    half = {"micro_batch_size": 2, "grad_accum_steps": 2}
     configs = {
         "single": (moe_config(), 1),
         "ddp": (moe_config(batch=half), 2),
         "fsdp_ac": (moe_config(strategy="fsdp", batch=half, activation_checkpointing="full"), 2),
         # 4 ranks, the experts split over pairs of them: dispatch within a pair, the experts'
-        # gradients summed across the pairs
-        "ep": (moe_config(batch={"micro_batch_size": 2, "grad_accum_steps": 1}, **EP), 4),
+        # gradients summed across the pairs (and accumulated over the micro-batches)
+        "ep": (moe_config(batch={"micro_batch_size": 1, "grad_accum_steps": 2}, **EP), 4),
     }
     for name, (cfg, n) in configs.items():
         code, out = runs.run(cfg, tmp / name, data_root, subprocess_env, nproc=n)
@@ -101,6 +102,11 @@ def test_moe_trains_and_reports_its_router(moe_runs: dict[str, Path]) -> None:
 def test_moe_one_process_ddp_and_fsdp_with_ac_agree(moe_runs: dict[str, Path], other: str) -> None:
     single, got = runs.metrics(moe_runs["single"]), runs.metrics(moe_runs[other])
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in single], abs=1e-4)
+    # the norm before clipping (under EP: the slices' squares summed over their group); the
+    # clip engages (below), so a wrong scale would show in every later step's loss too
+    norms = [r["grad_norm"] for r in single]
+    assert max(norms) > moe_config()["optim"]["grad_clip"], norms
+    assert [r["grad_norm"] for r in got] == pytest.approx(norms, abs=1e-4)
     for key in ROUTER_METRICS:  # summed over ranks and micro-batches: the same statistics
         assert [r[key] for r in got] == pytest.approx([r[key] for r in single], abs=1e-4), key
 
@@ -142,7 +148,7 @@ def test_moe_resumes_across_expert_parallel_sizes(
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(moe_runs[source] / "checkpoints" / "step-3", run_dir / "checkpoints" / "step-3")
-    batch = {"micro_batch_size": 8 // nproc, "grad_accum_steps": 1}
+    batch = {"micro_batch_size": 4 // nproc, "grad_accum_steps": 2}
     code, out = runs.run(moe_config(batch=batch, **extra), run_dir, data_root, subprocess_env,
                          nproc=nproc)  # fmt: skip
     assert code == 0, out
@@ -238,6 +244,7 @@ def test_init_from_mixtral_gives_transformers_first_loss_aux_included(
         model={**MOE, "router_z_loss_coef": 0.0},
         lora={"rank": 4, "alpha": 8.0},
         checkpoint={"every": 0, "keep": 1},
+        batch={"micro_batch_size": 8, "grad_accum_steps": 1},  # the first batch, whole
     )
     code, out = runs.run(cfg, tmp_path / "run", data_root, subprocess_env, nproc=1)
     assert code == 0, out
