@@ -12,6 +12,7 @@ tests/conftest.py starts each one whose test was collected, and stops what is st
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -56,11 +57,19 @@ class Check:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _die_with_the_session() -> None:
+    """In the child: SIGKILL when pytest dies (PR_SET_PDEATHSIG), so a session killed before
+    its unconfigure hook (a CI timeout) leaves no check running behind it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def start(argv: list[str], folder: Path, env: dict[str, str] | None = None) -> Check:
     with (folder / "output.log").open("wb") as out:
         popen = subprocess.Popen(
             ["nice", "-n", "10", *argv], cwd=REPO, env=env, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_the_session,
         )  # fmt: skip
     return Check(popen, folder)
 
