@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["OutboundRefused", "Unresolved", "address_refusal", "check_url", "pinned_addresses"]
 
@@ -139,12 +140,26 @@ def check_url(url: str, *, allow_private: bool = False) -> urllib.parse.SplitRes
     return parts
 
 
-def pinned_addresses(host: str, port: int, *, allow_private: bool = False) -> list[str]:
+# Names are resolved on these threads, each lookup waited for at most RESOLVE_TIMEOUT_S: a
+# tenant's slow name server holds one of them, never a request's thread for longer, and
+# with all of them held a lookup ends at once as not resolving (its caller checks again).
+_RESOLVERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="trainq-resolve")
+RESOLVE_TIMEOUT_S = 5.0
+
+
+def pinned_addresses(
+    host: str, port: int, *, allow_private: bool = False, timeout_s: float = RESOLVE_TIMEOUT_S
+) -> list[str]:
     """The addresses ``host`` resolves to, once (connect to these, not to the name);
-    OutboundRefused if it does not resolve or if ANY of them is refused (a name that answers
-    with one public and one private address is refused whole)."""
+    OutboundRefused if it does not resolve (within ``timeout_s``) or if ANY of them is
+    refused (a name that answers with one public and one private address is refused
+    whole)."""
+    lookup = _RESOLVERS.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = lookup.result(timeout=timeout_s)
+    except TimeoutError:
+        lookup.cancel()
+        raise Unresolved(f"{host} does not resolve within {timeout_s:g} s") from None
     except (OSError, UnicodeError) as exc:
         raise Unresolved(f"{host} does not resolve: {exc}") from None
     found: list[str] = []

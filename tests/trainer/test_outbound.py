@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 
-from trainer.outbound import OutboundRefused, check_url, pinned_addresses
+from trainer.outbound import OutboundRefused, Unresolved, check_url, pinned_addresses
 
 REFUSED = [
     "http://127.0.0.1:5000",
@@ -63,3 +66,22 @@ def test_pinned_addresses_resolve_and_check_every_address() -> None:
     with pytest.raises(OutboundRefused, match="does not resolve"):
         pinned_addresses("no-such-host.invalid", 80)
     assert pinned_addresses("93.184.216.34", 443) == ["93.184.216.34"]
+
+
+def test_a_name_whose_server_does_not_answer_is_unresolved_after_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tenant's name server that never answers holds a resolver thread, not its caller.
+    (The name server is the outside edge: getaddrinfo is replaced by one that blocks.)"""
+    release = threading.Event()
+
+    def never(*_: object, **__: object) -> list[object]:
+        release.wait(30)
+        raise OSError("released")
+
+    monkeypatch.setattr(socket, "getaddrinfo", never)
+    try:
+        with pytest.raises(Unresolved, match=r"does not resolve within 0\.2 s"):
+            pinned_addresses("slow.example", 443, timeout_s=0.2)
+    finally:
+        release.set()
