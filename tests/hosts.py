@@ -78,6 +78,7 @@ class Forwarder:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._lose = 0  # replies still to lose (``lose_replies``)
 
     @property
     def port(self) -> int:
@@ -125,6 +126,8 @@ class Forwarder:
                     data = src.recv(65536)
                     if not data:
                         return
+                    if src is b and self._take_loss():
+                        return  # the target answered; the client never hears it
                     peers[src].sendall(data)
         except (OSError, ValueError):
             return
@@ -136,6 +139,19 @@ class Forwarder:
             for s in peers:
                 with contextlib.suppress(OSError):
                     s.close()
+
+    def lose_replies(self, n: int = 1) -> None:
+        """The next ``n`` answers from the target are dropped, each with its connection: the
+        command ran there, and the client sees its connection end before the reply."""
+        with self._lock:
+            self._lose = n
+
+    def _take_loss(self) -> bool:
+        with self._lock:
+            if self._lose <= 0:
+                return False
+            self._lose -= 1
+            return True
 
     def cut(self) -> None:
         self._closed.set()

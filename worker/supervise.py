@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -68,17 +69,26 @@ def _label(msg: JobMessage) -> str:
 
 
 class Unreachable(Exception):
-    """Redis did not answer the claim: nothing was started (a claim whose reply was lost
-    holds the key, and the reconciler calls that attempt lost, as for any claim that never
-    ran)."""
+    """Redis did not answer the claim: nothing was started."""
 
 
 def _claim(ctx: WorkerContext, msg: JobMessage) -> bool:
+    """Take the attempt's node: True if this call holds its claim key.
+
+    The key's value is this worker's name and a token of this call's own. A SET whose reply
+    was lost (the command ran, the connection died before the answer) is tried again, by
+    redis-py or by the loop below, and then finds the key taken; reading the value back
+    tells our own claim from another delivery's, so a lost reply does not strand the attempt
+    until the reconciler calls it lost."""
     key = ctx.keys.claim(msg.job_id, msg.attempt, msg.node_rank)
+    token = f"{ctx.name} {secrets.token_hex(8)}"
     deadline = time.monotonic() + _CLAIM_RETRY_S
     while True:
         try:
-            return bool(ctx.redis.set(key, ctx.name, nx=True, ex=CLAIM_TTL_S))
+            if ctx.redis.set(key, token, nx=True, ex=CLAIM_TTL_S):
+                return True
+            held = ctx.redis.get(key)
+            return held is not None and held.decode(errors="replace") == token
         except Exception as exc:
             ctx.changed()  # the registry asks Redis now, and stops the intake if it is gone
             if time.monotonic() >= deadline:

@@ -71,3 +71,32 @@ def test_a_worker_cut_off_redis_takes_no_task_and_hands_back_one_it_took(
     assert wire.exited(waiting, 1)["reason"] == "spec_error"
     assert "resumed consuming trainq.cpu" in w2.log()
     broker.close()
+
+
+def test_a_claim_whose_reply_is_lost_is_still_ours(
+    wire: Wire, relay: tuple[Forwarder, str]
+) -> None:
+    """The SET NX ran in Redis, and its answer died with the connection: the retry finds the
+    key taken by this very claim (its token), so the attempt runs rather than waiting for the
+    reconciler; a second delivery of the same message is still turned away."""
+    from worker.context import WorkerContext
+    from worker.settings import WorkerSettings
+    from worker.supervise import _claim
+
+    fwd, url = relay
+    ctx = WorkerContext(WorkerSettings(redis_url=url), queues=["cpu"], name="w1")
+    job = new_job()
+    msg = message(job, procs=1)
+    try:
+        assert ctx.redis.ping()  # connected: the next answer through the relay is the SET's
+        fwd.lose_replies(1)
+        assert _claim(ctx, msg), "our own claim, its reply lost, is ours"
+        held = wire.r.get(wire.keys.claim(job, 1, 0))
+        assert held is not None and held.split()[0] == b"w1"
+        assert fwd._lose == 0, "the reply was lost (the relay dropped it)"
+        assert not _claim(ctx, msg), "a second delivery of the same attempt is a duplicate"
+        other = WorkerContext(WorkerSettings(redis_url=url), queues=["cpu"], name="w2")
+        assert not _claim(other, msg)
+        other.redis.close()
+    finally:
+        ctx.redis.close()
