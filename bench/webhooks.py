@@ -1,6 +1,6 @@
 """Webhook deliveries per second to a local receiver, and what delivering costs GET /v1/jobs/{id}.
 
-    .venv/bin/python bench/webhooks.py [--events 10000] [--mode thread|process|both]
+    .venv/bin/python bench/webhooks.py [--events 10000] [--mode thread|process|pinned|both|all]
                                        [--rounds 3] [--quiet-s 6] [--api-env TRAINQ_X=V]
 
 One run stands up the service (fresh PostgreSQL, claimed Redis numbers, uvicorn with one
@@ -17,7 +17,11 @@ busy windows, each between two quiet ones):
 
 ``--mode thread``: the deliverer is the API's own thread (``TRAINQ_WEBHOOK_DELIVER=true``);
 ``process``: ``python -m service.api.webhooks.delivery`` beside an API with it off. Both print
-side by side. Each busy window's GET p50 (and mean) is divided by the mean of the two quiet
+side by side. ``pinned`` is ``process`` with the machine split as separate hosts would split
+it: the API and the GET loop on CPU 0, the deliverer and the receiver on CPU 1 (affinity of
+every thread; PostgreSQL and Redis, not ours, stay on both). It asks whether delivering slows
+the API by more than taking its CPU: locks, the database, the API's own event loop.
+Each busy window's GET p50 (and mean) is divided by the mean of the two quiet
 windows around it, so drift in the shared machine's load hits both sides of a ratio alike;
 the figure judged is the median of those ratios. The CPU each process used is printed too.
 
@@ -27,6 +31,7 @@ Goals (issue 27): >= 500 deliveries/s; busy/quiet GET latency <= 1.10x.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -120,6 +125,13 @@ def get_loop(url: str, headers: dict[str, str], stop: threading.Event) -> list[f
     return times
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (and the threads they start later) on ``cpus`` only."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
 def received(url: str) -> tuple[int, int]:
     count, bad = httpx.get(url, timeout=5).text.split()
     return int(count), int(bad)
@@ -132,6 +144,10 @@ def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, s
         **api_env,
     }
     api = s.serve_api(1, **env)
+    pinned = mode == "pinned"
+    if pinned:  # the API and this process (its GET loop) on CPU 0; ours below on CPU 1
+        for pid in (*api.pids(), os.getpid()):
+            pin(pid, {0})
     deliverer: subprocess.Popen[bytes] | None = None
     receiver: subprocess.Popen[bytes] | None = None
     engine = sa.create_engine(s.pg_url)
@@ -143,8 +159,9 @@ def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, s
             hook = c.post("/v1/webhooks", json={"url": hook_url, "events": ["job.*"]})
             assert hook.status_code == 201, hook.text
             hook_id, secret = hook.json()["id"], hook.json()["secret"]
+        away = ["taskset", "-c", "1"] if pinned else []
         receiver = subprocess.Popen(
-            [sys.executable, "-c", RECEIVER, str(port), secret], start_new_session=True
+            [*away, sys.executable, "-c", RECEIVER, str(port), secret], start_new_session=True
         )
         count_url = f"http://127.0.0.1:{port}/count"
         for _ in range(100):
@@ -153,10 +170,10 @@ def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, s
                 break
             except httpx.HTTPError:
                 time.sleep(0.05)
-        if mode == "process":
+        if mode in ("process", "pinned"):
             with (s.tmp / "deliverer.log").open("wb") as log:
                 deliverer = subprocess.Popen(
-                    [sys.executable, "-m", "service.api.webhooks.delivery"],
+                    [*away, sys.executable, "-m", "service.api.webhooks.delivery"],
                     env=s.env(**env),
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -193,6 +210,8 @@ def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, s
         api.stop()
         s.servers.remove(api)
         engine.dispose()
+        if pinned:
+            pin(os.getpid(), set(range(os.cpu_count() or 1)))
 
 
 def _cpu(procs: dict[str, Any]) -> dict[str, float]:
@@ -275,13 +294,17 @@ def window_ratios(quiet: list[Any], busy: list[Any], key: str) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--events", type=int, default=10_000)
-    p.add_argument("--mode", choices=("thread", "process", "both"), default="both")
+    p.add_argument("--mode", choices=("thread", "process", "pinned", "both", "all"), default="all")
     p.add_argument("--rounds", type=int, default=3, help="busy windows per mode")
     p.add_argument("--quiet-s", type=float, default=6.0)
     p.add_argument("--api-env", action="append", default=[], metavar="TRAINQ_X=V")
     args = p.parse_args()
     api_env = dict(kv.split("=", 1) for kv in args.api_env)
-    modes = ["thread", "process"] if args.mode == "both" else [args.mode]
+    modes = {"both": ["thread", "process"], "all": ["thread", "process", "pinned"]}.get(
+        args.mode, [args.mode]
+    )
+    if "pinned" in modes and (os.cpu_count() or 1) < 2:
+        sys.exit("bench/webhooks.py: --mode pinned needs two CPUs")
     rows = {}
     with stack() as s:
         for mode in modes:
