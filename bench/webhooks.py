@@ -1,7 +1,7 @@
 """Webhook deliveries per second to a local receiver, and what delivering costs GET /v1/jobs/{id}.
 
-    .venv/bin/python bench/webhooks.py [--events 10000] [--mode thread|process|pinned|both|all]
-                                       [--rounds 3] [--quiet-s 6] [--api-env TRAINQ_X=V]
+    .venv/bin/python bench/webhooks.py [--events 10000] [--rounds 3] [--quiet-s 6]
+        [--mode thread|process|pinned|paced|both|all] [--pace 600] [--api-env TRAINQ_X=V]
 
 One run stands up the service (fresh PostgreSQL, claimed Redis numbers, uvicorn with one
 worker), a receiver in a process of its own (``http.server``, HTTP/1.1 keep-alive, counting;
@@ -21,6 +21,8 @@ side by side. ``pinned`` is ``process`` with the machine split as separate hosts
 it: the API and the GET loop on CPU 0, the deliverer and the receiver on CPU 1 (affinity of
 every thread; PostgreSQL and Redis, not ours, stay on both). It asks whether delivering slows
 the API by more than taking its CPU: locks, the database, the API's own event loop.
+``paced`` is ``process`` with ``TRAINQ_WEBHOOK_MAX_PER_S`` at ``--pace`` (600): the backlog
+drains at that pace, its CPU and database work spread over the window instead of at once.
 Each busy window's GET p50 (and mean) is divided by the mean of the two quiet
 windows around it, so drift in the shared machine's load hits both sides of a ratio alike;
 the figure judged is the median of those ratios. The CPU each process used is printed too.
@@ -143,6 +145,8 @@ def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, s
         "TRAINQ_WEBHOOK_DELIVER": "true" if mode == "thread" else "false",
         **api_env,
     }
+    if mode == "paced":
+        env["TRAINQ_WEBHOOK_MAX_PER_S"] = f"{args.pace:g}"
     api = s.serve_api(1, **env)
     pinned = mode == "pinned"
     if pinned:  # the API and this process (its GET loop) on CPU 0; ours below on CPU 1
@@ -170,7 +174,7 @@ def run_mode(s: Stack, mode: str, args: argparse.Namespace, api_env: dict[str, s
                 break
             except httpx.HTTPError:
                 time.sleep(0.05)
-        if mode in ("process", "pinned"):
+        if mode in ("process", "pinned", "paced"):
             with (s.tmp / "deliverer.log").open("wb") as log:
                 deliverer = subprocess.Popen(
                     [*away, sys.executable, "-m", "service.api.webhooks.delivery"],
@@ -294,13 +298,16 @@ def window_ratios(quiet: list[Any], busy: list[Any], key: str) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--events", type=int, default=10_000)
-    p.add_argument("--mode", choices=("thread", "process", "pinned", "both", "all"), default="all")
+    p.add_argument(
+        "--mode", choices=("thread", "process", "pinned", "paced", "both", "all"), default="all"
+    )
+    p.add_argument("--pace", type=float, default=600.0, help="--mode paced: deliveries/s")
     p.add_argument("--rounds", type=int, default=3, help="busy windows per mode")
     p.add_argument("--quiet-s", type=float, default=6.0)
     p.add_argument("--api-env", action="append", default=[], metavar="TRAINQ_X=V")
     args = p.parse_args()
     api_env = dict(kv.split("=", 1) for kv in args.api_env)
-    modes = {"both": ["thread", "process"], "all": ["thread", "process", "pinned"]}.get(
+    modes = {"both": ["thread", "process"], "all": ["thread", "process", "pinned", "paced"]}.get(
         args.mode, [args.mode]
     )
     if "pinned" in modes and (os.cpu_count() or 1) < 2:

@@ -33,7 +33,7 @@ from service.api.app import create_app
 from service.api.core.models import EVENTS, WEBHOOK_DELIVERIES, WEBHOOKS, utcnow
 from service.api.core.settings import Settings
 from service.api.scheduling.retention import Retention
-from service.api.webhooks.delivery import Deliverer
+from service.api.webhooks.delivery import Deliverer, Pace
 from service.api.webhooks.sender import Connection, SendFailed
 from tests.api.support import Api, WorkerSim, forget_jobs_since, free_port, make_tokens
 from trainer.outbound import OutboundRefused, Unresolved, check_url, pinned_addresses
@@ -50,6 +50,7 @@ class Receiver:
         self.secret: str | None = None
         self.answer = 204
         self.received: list[dict[str, Any]] = []
+        self.arrived: list[float] = []  # time.monotonic() of each in received
         self.bad: list[str] = []
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
@@ -79,6 +80,7 @@ class Receiver:
                     if status < 300:
                         with receiver.lock:
                             receiver.received.append({"id": self.headers["webhook-id"], **payload})
+                            receiver.arrived.append(time.monotonic())
                 except WebhookVerificationError as exc:
                     receiver.bad.append(str(exc))
                     status = 400
@@ -351,6 +353,28 @@ REFUSED = [
     "https://b\u00fccher.example/hook",  # IDNA: accepted, then never sent (the sender's Host)
     "https://example.com/h\u00e9",
 ]
+
+
+def test_a_deliverer_paced_by_its_setting_drains_a_backlog_at_that_pace(
+    hooks: Hooks, receiver: Receiver
+) -> None:
+    """``TRAINQ_WEBHOOK_MAX_PER_S``: a backlog goes out at that many a second (after a
+    quarter second's burst), every delivery still arriving, in order per job."""
+    rate, n = 20.0, 30
+    api, deliverer = hooks(webhook_max_per_s=rate)
+    hook = _create(api, receiver.url, ["job.running"])
+    receiver.secret = hook["secret"]
+    jobs = [api.submit()["id"] for _ in range(n)]
+    for job_id in jobs:
+        WorkerSim(api.services.redis, api.keys, job_id).running()
+    api.drain()
+    _wait(lambda: len(receiver.unique()) == n, 30, "every delivery")
+    got = receiver.unique()
+    assert sorted(g["data"]["job_id"] for g in got) == sorted(jobs) and receiver.bad == []
+    burst = int(rate * Pace.BURST_S)
+    spread = receiver.arrived[-1] - receiver.arrived[0]
+    assert spread >= (n - burst - 1) / rate, f"{n} deliveries in {spread:.2f} s: not paced"
+    assert deliverer.pace.per_s == rate
 
 
 def test_private_loopback_and_metadata_targets_are_refused_naming_url(api: Api) -> None:

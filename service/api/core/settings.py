@@ -186,6 +186,10 @@ class Settings(BaseSettings):
     # nicer than the API (os.nice; 0: as the API), so a backlog of deliveries yields the CPU
     # to requests, at the cost of delivering slower on a busy host.
     webhook_nice: int = Field(0, ge=0, le=19)
+    # Deliveries one deliverer (an API's thread, or the process) starts a second, at most
+    # (0: no bound): a backlog then drains at this pace instead of at once, so its CPU and
+    # database work are spread out and the API's requests keep their latency.
+    webhook_max_per_s: float = Field(0.0, ge=0)
     webhook_max_per_owner: int = Field(20, ge=1)
 
     @model_validator(mode="after")

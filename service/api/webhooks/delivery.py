@@ -166,6 +166,41 @@ class Lane:
             conn.close()
 
 
+class Pace:
+    """A token bucket: ``take(n)`` is how many of ``n`` may start now, at ``per_s`` a second
+    with bursts of a quarter second's worth (so a pass every BATCH_S still claims some);
+    ``per_s`` 0 never bounds."""
+
+    BURST_S = 0.25
+
+    def __init__(self, per_s: float) -> None:
+        self.per_s = per_s
+        self.size = max(1.0, per_s * self.BURST_S)
+        self.tokens = self.size
+        self.at = time.monotonic()
+
+    def take(self, n: int) -> int:
+        if self.per_s <= 0 or n <= 0:
+            return max(n, 0)
+        now = time.monotonic()
+        self.tokens = min(self.size, self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+        got = min(n, int(self.tokens))
+        self.tokens -= got
+        return got
+
+    def give_back(self, n: int) -> None:
+        """Tokens taken for deliveries that were not claimed after all."""
+        if self.per_s > 0 and n > 0:
+            self.tokens = min(self.size, self.tokens + n)
+
+    def wait_s(self) -> float:
+        """Seconds until a delivery may start (0 if one may now)."""
+        if self.per_s <= 0 or self.tokens >= 1:
+            return 0.0
+        return (1 - self.tokens) / self.per_s
+
+
 class Deliverer:
     """The loop; ``run_once`` is one pass (fan out, store outcomes, claim and hand out)."""
 
@@ -181,6 +216,8 @@ class Deliverer:
         self.holding: set[int] = set()  # claimed by this deliverer, outcome not yet stored
         self._next_fan_out = 0.0
         self._next_renew = 0.0
+        self.pace = Pace(settings.webhook_max_per_s)
+        self.paced = False  # the last pass claimed all the pace allowed: more may wait
 
     def _done(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -253,10 +290,12 @@ class Deliverer:
             # a full batch: more are waiting, read on at once; else at the poll interval
             self._next_fan_out = 0.0 if read == FAN_OUT_BATCH else now + self._poll_s()
             self._lanes_for(self.endpoints)
-        free = self.settings.webhook_in_flight - self.held()
         enabled = {e.id for e in self.endpoints}
         rooms = {eid: lane.room() for eid, lane in self.lanes.items() if eid in enabled}
-        if free <= 0 or not any(room > 0 for room in rooms.values()):
+        want = self.settings.webhook_in_flight - self.held()
+        free = self.pace.take(want) if any(room > 0 for room in rooms.values()) else 0
+        self.paced = free < want
+        if free <= 0:
             rooms = {}
         batch = self._take_outcomes()
         renew = bool(self.holding) and now >= self._next_renew
@@ -272,7 +311,10 @@ class Deliverer:
                 claimed = claim(session, limit=free, rooms=rooms, lease_s=self.lease_s)
         except Exception:
             self.outcomes.extendleft(reversed(batch))  # stored on the next pass instead
+            self.pace.give_back(free)
             raise
+        self.pace.give_back(max(free, 0) - len(claimed))
+        self.paced = self.paced and len(claimed) == free  # the pace, not the backlog, bound it
         if renew:
             self._next_renew = now + self.lease_s * RENEW_SHARE
         self._stored(batch, disabled)
@@ -298,7 +340,9 @@ class Deliverer:
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
-            if self.held() or worked:
+            if self.paced:  # a backlog held back by the pace: the next pass when it allows
+                stop.wait(max(BATCH_S, self.pace.wait_s()))
+            elif self.held() or worked:
                 # outcomes come back as sends end: gather them for BATCH_S, so that a pass
                 # (one transaction) stores and claims many deliveries, not one or two
                 stop.wait(BATCH_S)
