@@ -18,9 +18,8 @@ Per running sweep, in one transaction with the sweep's row locked:
    (the study as it was before the ask, so the same trial is proposed again later). Either
    way the trial waits for a later pass, and the sweep's ``message`` says why until then;
    nothing is spent of the budget. The pass first asks for and vets every trial it may
-   make, then counts and inserts them: the owner's lock, held to the commit (a count is
-   only good while the rows it allowed are not yet visible to another submit's count), is
-   not held while later trials are asked for and checked (store reads, DNS, Optuna). It
+   make, then counts and inserts them: the owner's lock, held to the commit (so that the
+   next count of that owner, a submit's say, sees the rows this one allowed), is not held while later trials are asked for and checked (store reads, DNS, Optuna). It
    cannot be narrowed to each trial's count-and-insert: that would need a commit per
    trial, and the pass's trials, study and count are one commit (below);
 4. store the study and the count of proposals (compare-and-set on the old count), and end
