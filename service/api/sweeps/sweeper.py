@@ -19,9 +19,10 @@ Per running sweep, in one transaction with the sweep's row locked:
    way the trial waits for a later pass, and the sweep's ``message`` says why until then;
    nothing is spent of the budget. The pass first asks for and vets every trial it may
    make, then counts and inserts them: the owner's lock, held to the commit (so that the
-   next count of that owner, a submit's say, sees the rows this one allowed), is not held while later trials are asked for and checked (store reads, DNS, Optuna). It
-   cannot be narrowed to each trial's count-and-insert: that would need a commit per
-   trial, and the pass's trials, study and count are one commit (below);
+   next count of that owner, a submit's say, sees the rows this one allowed), is not held
+   while later trials are asked for and checked (store reads, DNS, Optuna). It cannot be
+   narrowed to each trial's count-and-insert: that would need a commit per trial, and the
+   pass's trials, study and count are one commit (below);
 4. store the study and the count of proposals (compare-and-set on the old count), and end
    the sweep (``finish_sweep``) once its budget is spent and no trial is left.
 
@@ -212,7 +213,7 @@ class Sweeper(StorePass):
         # against the owner's room and limits and inserted: the owner's lock (taken by the
         # first room check, held to the commit as the count's insert must be) is then not
         # held while later trials are asked for and vetted (reads, the resolver, Optuna).
-        vetted: list[tuple[str, int, str | None, Any, Any, int]] = []
+        vetted: list[tuple[bytes, int, str | None, Any, Any, int]] = []
         failed = 0  # trials refused this pass: at most the parallelism, then the next pass
         while waiting is None and active + len(vetted) < row.parallelism and proposed < limit:
             if failed >= row.parallelism:
