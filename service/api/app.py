@@ -38,6 +38,7 @@ from service.api.core.auth import ANONYMOUS, Principal, TokenCache
 from service.api.core.db import make_async_reader, make_engine, make_sessionmaker
 from service.api.core.deps import Services
 from service.api.core.errors import (
+    Gone,
     InvalidInput,
     PayloadTooLarge,
     TooManyRequests,
@@ -270,6 +271,8 @@ def error_response(exc: TrainqError) -> JSONResponse:
     """The answer to one of the service's own errors, routed or at the edge."""
     if isinstance(exc, InvalidInput):
         return _error(422, exc.errors)
+    if isinstance(exc, Gone):
+        return JSONResponse({"detail": exc.errors, **exc.extra}, status_code=410)
     response = _error(exc.status_code, exc.message)
     if isinstance(exc, Unauthorized):
         response.headers["WWW-Authenticate"] = "Bearer"

@@ -37,8 +37,12 @@ def _tables(url: str) -> set[str]:
 
 def _round_trip(url: str) -> None:
     migrate.upgrade(url)
-    assert migrate.current(url) == "0012"
+    assert migrate.current(url) == "0013"
     assert _tables(url) == set(Base.metadata.tables)
+    migrate.downgrade(url, "0012")  # 0013 alone: events_pruned, the feed's marks
+    assert "events_pruned" not in _tables(url) and migrate.drift(url) != []
+    migrate.upgrade(url)
+    assert migrate.drift(url) == []
     migrate.downgrade(url, "0011")  # 0012 alone: the retention indexes
     assert migrate.drift(url) != []
     migrate.upgrade(url)

@@ -8,12 +8,16 @@ deterministic; tests/e2e/test_sweeps_system.py runs sweeps on real workers.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from typer.testing import CliRunner
 
+from service.api.jobs import crud, room
 from service.api.jobs.schemas import JobSpec
 from service.api.scheduling.limits import check_run_disk
 from service.api.sweeps.sweeper import Sweeper
@@ -251,6 +255,73 @@ def test_trials_wait_for_the_owners_limits_and_the_sweep_says_why(api: Api) -> N
     assert [t["params"] for t in _sweep(api, twin)["trials"]] == [
         t["params"] for t in sweep["trials"]
     ]
+
+
+def test_a_trial_refused_room_takes_back_the_trials_asked_after_it(api: Api) -> None:
+    """A pass asks for and checks every trial first, then counts them against the room:
+    the trial that does not fit is taken back with every trial asked after it."""
+    s = api.services
+
+    def sweeper(**settings: Any) -> Sweeper:
+        return Sweeper(s.settings.model_copy(update=settings), s.sessions, s.redis, s.dispatcher)
+
+    body = _body(api, parallelism=3, budget=5)
+    sweep_id = _post(api, body).json()["id"]
+    disk = check_run_disk(JobSpec.model_validate(body["base"]), s.settings)
+    sweeper(runs_max_owner_bytes=disk * 3 // 2).run_once()  # 3 asked, room for one
+    sweep = _sweep(api, sweep_id)
+    assert [t["number"] for t in sweep["trials"]] == [0] and sweep["proposed"] == 1
+    assert "TRAINQ_RUNS_MAX_OWNER_BYTES" in sweep["message"]
+    sweeper().run_once()
+    sweep = _sweep(api, sweep_id)
+    assert [t["number"] for t in sweep["trials"]] == [0, 1, 2] and sweep["proposed"] == 3
+    twin = _post(api, body).json()["id"]  # the same seed, never held back
+    sweeper().run_once()
+    assert [t["params"] for t in _sweep(api, twin)["trials"]] == [
+        t["params"] for t in sweep["trials"]
+    ]
+
+
+def test_a_trial_waits_for_a_submit_holding_its_owners_room(api: Api) -> None:
+    """The race the owner's lock closes: a submit of the owner under the bound is between
+    its count and its commit when the sweeper comes to count a trial. The trial waits for
+    the lock, then counts the submit's run and is held back (PostgreSQL row lock)."""
+    s = api.services
+    body = _body(api, parallelism=1, budget=1)
+    sweep_id = _post(api, body).json()["id"]
+    spec = JobSpec.model_validate(body["base"])
+    disk = check_run_disk(spec, s.settings)
+    bound = disk * 3 // 2  # room for one run
+    principal = s.tokens.resolve(f"Bearer {api.token}")
+    sweeper = Sweeper(
+        s.settings.model_copy(update={"runs_max_owner_bytes": bound}),
+        s.sessions, s.redis, s.dispatcher,
+    )  # fmt: skip
+    passed: list[Any] = []
+    with s.sessions() as submit, submit.begin():  # a submit, stopped before its commit
+        room.lock(submit, api.user)
+        room.check(submit, api.user, disk, bound)
+        crud.insert_job(submit, crud.job_row(principal, spec, None, disk))
+        thread = threading.Thread(target=lambda: passed.append(sweeper.run_once()))
+        thread.start()
+        deadline = time.monotonic() + 10
+        with s.sessions() as look:
+            while not look.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%job_owners%'"
+                )
+            ).scalar():
+                assert time.monotonic() < deadline, "the sweeper never waited for the lock"
+                assert thread.is_alive(), "the sweeper's pass ended without waiting"
+                time.sleep(0.02)
+                look.rollback()
+    thread.join(timeout=30)
+    assert len(passed) == 1  # the pass ended (other tests' sweeps may have made trials)
+    sweep = _sweep(api, sweep_id)
+    assert sweep["trials"] == [] and "TRAINQ_RUNS_MAX_OWNER_BYTES" in sweep["message"]
+    with s.sessions() as session:
+        assert room.used(session, api.user) == disk <= bound
 
 
 def test_trainq_sweep_list(api: Api) -> None:

@@ -5,11 +5,13 @@ no tracker."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
 from typer.testing import CliRunner
 
+from service.api.core.auth import create_token
 from service.api.core.models import OwnerLimit
 from service.api.scheduling.limits import set_limits, set_tracking
 from service.cli import main as cli
@@ -91,3 +93,33 @@ def test_a_public_uri_is_stored_and_the_owners_default_fills_in(api: Api, tmp_pa
         set_tracking(session, api.user, None)
         set_limits(session, api.user, clear=True)
         assert session.get(OwnerLimit, api.user) is None
+
+
+def test_an_owners_default_is_checked_as_the_specs_own_would_be(api: Api) -> None:
+    """The default is applied once, before the submit decides where to check the spec: a
+    default whose URI is private is refused naming the URI, one no longer valid naming
+    train.tracking (before any other check, with or without a store to read)."""
+    with api.services.sessions.begin() as session:
+        set_tracking(session, api.user, {"mlflow": {"tracking_uri": "http://10.0.0.7/"}})
+        broken = f"carol-{uuid.uuid4().hex[:6]}"
+        broken_token = create_token(session, broken)
+        set_tracking(session, broken, {"mlflow": {"tracking_uri": 5}})  # set before a rule
+    try:
+        plain = {"name": "t", "queue": api.queue, "train": {"steps": 2}}
+        resp = api.client.post("/v1/jobs", json=plain, headers=api.headers())
+        assert resp.status_code == 422, resp.text
+        [error] = resp.json()["detail"]
+        assert error["loc"] == FIELD and "TRAINQ_TRACKING_ALLOW_PRIVATE" in error["msg"], error
+        assert _post(api, {}).status_code == 201  # opted out: no default, nothing to check
+
+        missing = {**plain, "train": {"steps": 2, "init": {"job": "0" * 32}}}  # a store read
+        for body in (plain, missing):
+            resp = api.client.post("/v1/jobs", json=body, headers=api.headers(broken_token))
+            assert resp.status_code == 422, resp.text
+            [error] = resp.json()["detail"]
+            assert error["loc"] == ["body", "train", "tracking"], error
+            assert "no longer valid" in error["msg"]
+    finally:
+        with api.services.sessions.begin() as session:
+            set_tracking(session, api.user, None)
+            set_tracking(session, broken, None)

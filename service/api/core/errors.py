@@ -6,6 +6,8 @@
     ├── Unauthorized      401   missing, unknown or revoked bearer token
     ├── NotFound          404   no such job (or not yours: the same answer)
     ├── Conflict          409   an idempotency key reused with a different spec
+    ├── Gone              410   what a parameter points at is no longer kept (an events
+    │                           cursor older than retention); ``errors`` name the field
     ├── Forbidden         403   a valid token asking for what it may not (an admin view)
     ├── PayloadTooLarge   413   a body over TRAINQ_MAX_BODY_BYTES (or a YAML one over
     │                           TRAINQ_MAX_YAML_BYTES)
@@ -27,6 +29,7 @@ __all__ = [
     "Conflict",
     "DatabaseUnavailable",
     "Forbidden",
+    "Gone",
     "InvalidInput",
     "NotFound",
     "PayloadTooLarge",
@@ -70,6 +73,18 @@ class Forbidden(TrainqError):
 
 class Conflict(TrainqError):
     status_code = 409
+
+
+class Gone(TrainqError):
+    """What the request points at (``loc``, as InvalidInput's) is no longer kept: the body
+    is ``{"detail": [{"loc", "msg", "type"}], **extra}``, ``extra`` saying where to go on."""
+
+    status_code = 410
+
+    def __init__(self, loc: list[str | int], message: str, kind: str, **extra: str) -> None:
+        super().__init__(message)
+        self.errors: list[dict[str, Any]] = [{"loc": loc, "msg": message, "type": kind}]
+        self.extra = extra
 
 
 class PayloadTooLarge(TrainqError):

@@ -38,6 +38,7 @@ __all__ = [
     "DATASET_OWNERS",
     "DATASET_STATUSES",
     "EVENTS",
+    "EVENTS_PRUNED",
     "JOBS",
     "JOB_OWNERS",
     "LOGS",
@@ -53,6 +54,7 @@ __all__ = [
     "Dataset",
     "DatasetOwner",
     "EventRecord",
+    "EventsPruned",
     "Job",
     "JobOwner",
     "LogChunk",
@@ -329,6 +331,19 @@ class EventRecord(Base):
     )
 
 
+class EventsPruned(Base):
+    """How far retention pruned each owner's events: ``through_id``, the highest id of the
+    owner's events it deleted (it only grows). A feed cursor below it has missed an event
+    (``GET /v1/events`` answers 410); one at or above it has missed none, whatever was pruned
+    of other owners' events. An owner none of whose events were pruned has no row."""
+
+    __tablename__ = "events_pruned"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    through_id: Mapped[int] = mapped_column(BigInteger)
+    pruned_at: Mapped[datetime]
+
+
 class Webhook(Base):
     """An owner's webhook endpoint (service.api.webhooks); ``secret`` signs its deliveries
     (Standard Webhooks), shown once at creation. ``after_event``: the last event fanned out
@@ -436,6 +451,7 @@ DATASET_OWNERS = cast(Table, DatasetOwner.__table__)
 JOB_OWNERS = cast(Table, JobOwner.__table__)
 OWNER_LIMITS = cast(Table, OwnerLimit.__table__)
 EVENTS = cast(Table, EventRecord.__table__)
+EVENTS_PRUNED = cast(Table, EventsPruned.__table__)
 WEBHOOKS = cast(Table, Webhook.__table__)
 WEBHOOK_DELIVERIES = cast(Table, WebhookDelivery.__table__)
 SWEEPS = cast(Table, Sweep.__table__)

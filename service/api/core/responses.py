@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["ErrorOut", "FieldError", "ValidationOut", "errors"]
+__all__ = ["CursorGoneOut", "ErrorOut", "FieldError", "ValidationOut", "errors"]
 
 
 class ErrorOut(BaseModel):
@@ -23,11 +23,19 @@ class ValidationOut(BaseModel):
     detail: list[FieldError]
 
 
+class CursorGoneOut(ValidationOut):
+    oldest_cursor: str  # the lowest cursor the events feed reads on from
+
+
 _DESCRIPTIONS = {
     401: ("missing, unknown or revoked bearer token", ErrorOut),
     403: ("the token may not do this (an admin view)", ErrorOut),
     404: ("no such job (or not yours)", ErrorOut),
     409: ("Idempotency-Key reused with a different spec", ErrorOut),
+    410: (
+        "the cursor is older than the events kept; oldest_cursor says where to go on",
+        CursorGoneOut,
+    ),
     413: ("request body over the limit", ErrorOut),
     422: ("invalid input; each error's loc names the field", ValidationOut),
     429: ("over a limit (open streams, submits); Retry-After says when to try again", ErrorOut),

@@ -21,8 +21,9 @@ it forever): webhook deliveries that ended (delivered, or failed for good) that 
 and events older than that, but never an event that an unfinished delivery still has to
 send (waiting, pending, sending: it is retried for ``webhook_retry_window_s``, whatever the
 events' age) nor one an enabled endpoint has not yet fanned out (its cursor is behind it).
-The events feed then starts at the oldest event kept; a cursor from before it reads on from
-there.
+In the transaction that deletes a batch of events, each owner's mark (``events_pruned``:
+the highest id of theirs pruned, only ever raised) is raised too, so the events feed answers
+410 to a cursor that missed a pruned event instead of reading on past the gap.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, delete, exists, select
+from sqlalchemy import Engine, delete, exists, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.core.models import (
     ATTEMPTS,
     EVENTS,
+    EVENTS_PRUNED,
     JOBS,
     LOGS,
     METRICS,
@@ -60,6 +64,7 @@ __all__ = [
     "PASS_MAX",
     "Retention",
     "delete_jobs",
+    "mark_pruned",
     "prune_events",
     "remove_run_dir",
     "starting_from",
@@ -221,18 +226,23 @@ def prune_events(db: sessionmaker[Session] | Engine, days: float, limit: int = P
     while events < limit:
         with _begin(db) as tx:
             old = (
-                select(EVENTS.c.id)
+                select(EVENTS.c.id, EVENTS.c.owner)
                 .where(EVENTS.c.created_at < cutoff, ~needed, ~unread)
                 .order_by(EVENTS.c.id)
                 .limit(BATCH)
                 .with_for_update(skip_locked=True)
             )
-            ids = list(tx.execute(old).scalars())
+            rows = tx.execute(old).all()
+            ids = [r.id for r in rows]
             if ids:
                 # their deliveries all ended (the rest keep the event); the foreign key would
                 # cascade, but a SQLite connection without the pragma must not leave orphans
                 tx.execute(delete(d).where(d.c.event_id.in_(ids)))
                 tx.execute(delete(EVENTS).where(EVENTS.c.id.in_(ids)))
+                through: dict[str, int] = {}
+                for r in rows:
+                    through[r.owner] = max(through.get(r.owner, 0), r.id)
+                mark_pruned(tx, through)
         events += len(ids)
         if len(ids) < BATCH:
             break
@@ -244,6 +254,32 @@ def prune_events(db: sessionmaker[Session] | Engine, days: float, limit: int = P
             days,
         )
     return max(events, ended)
+
+
+def mark_pruned(tx: Any, through: dict[str, int]) -> None:
+    """Raise each owner's ``events_pruned`` mark to ``through[owner]`` (never lower it), in
+    ``tx``, the transaction that deletes those events."""
+    if not through:
+        return
+    now = utcnow()
+    rows = [{"owner": o, "through_id": i, "pruned_at": now} for o, i in sorted(through.items())]
+    dialect = tx.get_bind().dialect.name if isinstance(tx, Session) else tx.dialect.name
+    mark = EVENTS_PRUNED.c.through_id
+    if dialect == "postgresql":
+        pg = pg_insert(EVENTS_PRUNED)
+        new = pg.excluded
+        stmt: Any = pg.on_conflict_do_update(
+            index_elements=["owner"],
+            set_={"through_id": func.greatest(mark, new.through_id), "pruned_at": new.pruned_at},
+        )
+    else:  # SQLite: max(a, b) is its two-argument scalar max
+        lite = sqlite_insert(EVENTS_PRUNED)
+        new = lite.excluded
+        stmt = lite.on_conflict_do_update(
+            index_elements=["owner"],
+            set_={"through_id": func.max(mark, new.through_id), "pruned_at": new.pruned_at},
+        )
+    tx.execute(stmt, rows)
 
 
 class Retention:

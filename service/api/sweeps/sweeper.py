@@ -17,7 +17,12 @@ Per running sweep, in one transaction with the sweep's row locked:
    ``service.api.jobs.room``, checked under the owner's lock like a submit) is taken back
    (the study as it was before the ask, so the same trial is proposed again later). Either
    way the trial waits for a later pass, and the sweep's ``message`` says why until then;
-   nothing is spent of the budget;
+   nothing is spent of the budget. The pass first asks for and vets every trial it may
+   make, then counts and inserts them: the owner's lock, held to the commit (so that the
+   next count of that owner, a submit's say, sees the rows this one allowed), is not held
+   while later trials are asked for and checked (store reads, DNS, Optuna). It cannot be
+   narrowed to each trial's count-and-insert: that would need a commit per trial, and the
+   pass's trials, study and count are one commit (below);
 4. store the study and the count of proposals (compare-and-set on the old count), and end
    the sweep (``finish_sweep``) once its budget is spent and no trial is left.
 
@@ -204,8 +209,13 @@ class Sweeper(StorePass):
             vet_spec(self.settings, reader, owner, base, own)
         except TrainqError as exc:
             waiting = f"the next trial waits: {first_complaint(exc)}"
+        # First every trial's values are asked for and checked, then the trials are counted
+        # against the owner's room and limits and inserted: the owner's lock (taken by the
+        # first room check, held to the commit as the count's insert must be) is then not
+        # held while later trials are asked for and vetted (reads, the resolver, Optuna).
+        vetted: list[tuple[bytes, int, str | None, Any, Any, int]] = []
         failed = 0  # trials refused this pass: at most the parallelism, then the next pass
-        while waiting is None and active < row.parallelism and proposed < limit:
+        while waiting is None and active + len(vetted) < row.parallelism and proposed < limit:
             if failed >= row.parallelism:
                 break
             before = search.dump(study)
@@ -222,6 +232,8 @@ class Sweeper(StorePass):
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 failed += 1
                 continue
+            vetted.append((before, proposed - 1, refused, trial, spec, disk))
+        for before, asked_before, refused_before, trial, spec, disk in vetted:
             try:
                 if room_limit and disk:
                     room.lock(session, row.owner)  # as a submit under the bound: one at a time
@@ -231,7 +243,8 @@ class Sweeper(StorePass):
                     # which sees the trials this pass made
                     self.limits.check(lambda: nullcontext(session), row.owner, own)
             except (InvalidInput, TooManyRequests) as exc:
-                study, proposed = search.load(before), proposed - 1  # asked again later
+                # as before its ask (the trials asked after it too): it is asked again later
+                study, proposed, refused = search.load(before), asked_before, refused_before
                 waiting = f"the next trial waits: {exc.message}"
                 break
             made = crud.job_row(owner, spec, f"sweep:{row.id}:{trial.number}", disk)
