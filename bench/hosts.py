@@ -21,7 +21,10 @@ per host), PostgreSQL, Redis and the API in the root namespace, a fresh store (`
    the heartbeat TTL + grace. Goal: <= grace + 10 s. A fresh API and workers with test-speed
    settings (a 3 s heartbeat TTL, a reconcile pass every 0.5 s).
 
-``python bench/hosts.py [--rounds 5] [--steps 40]``
+   Then a timeline: the first event of each kind per attempt and node (lifecycle phases,
+   logs, the first metric), seconds after the loss (``--log-lines``: attempt 2's lines too).
+
+``python bench/hosts.py [--rounds 5] [--steps 40] [--loss-only] [--log-lines]``
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import httpx
 
 from bench._util import CORES, Stack, alternate, stack, start_worker, stop_worker
 from tests.hosts import Host, Hosts, available
+from trainer.events import Event
 from trainer.prepare import prepare_demo
 
 FAST = {
@@ -87,6 +91,7 @@ def median_rate(points: list[dict[str, Any]], skip: int = 5) -> float:
 class Bench:
     def __init__(self, st: Stack, hosts: Hosts, settings: dict[str, str], tag: str) -> None:
         self.st, self.hosts, self.tag = st, hosts, tag
+        self.log_lines = False  # print attempt 2's log lines in the timeline
         self.api = st.serve_api(1, **settings)
         self.client = httpx.Client(base_url=self.api.url, headers=st.auth, timeout=30)
         self.workers: dict[str, Any] = {}
@@ -193,7 +198,37 @@ class Bench:
         stepped = min(p["ts"] for p in first) - t0
         self.client.post(f"/v1/jobs/{job_id}/cancel")
         victim.link(True)
+        self.timeline(job_id, t0)
         return lost, started, stepped
+
+    def timeline(self, job_id: str, t0: float) -> None:
+        """Where the time from the loss to attempt 2's first step went: the first event of
+        each kind (lifecycle phase, log, metric) per attempt and node, seconds after the loss."""
+        import redis
+
+        r = redis.Redis.from_url(self.st.redis_url)
+        try:
+            entries = r.xrange(f"trainq:job:{job_id}")
+        finally:
+            r.close()
+        seen: dict[tuple[int, str, int], float] = {}
+        for _, f in entries:
+            ev = Event.from_fields(f)
+            if ev.ts < t0:
+                continue
+            what = ev.kind
+            if ev.kind == "lifecycle":
+                what = f"lifecycle {ev.data.get('phase')}"
+            elif ev.kind == "log":
+                what = f"log ({ev.source})"
+            key = (ev.attempt, what, int(ev.data.get("node", 0)))
+            seen.setdefault(key, ev.ts - t0)
+            if self.log_lines and ev.kind == "log" and ev.attempt > 1:
+                for line in ev.data.get("lines", [])[:40]:
+                    print(f"     {ev.ts - t0:6.1f} s  {ev.source}: {str(line)[:150]}")
+        print("   timeline after the loss (first event of a kind, per attempt and node):")
+        for (attempt, what, node), s in sorted(seen.items(), key=lambda kv: kv[1]):
+            print(f"     {s:6.1f} s  attempt {attempt} node {node}: {what}")
 
     def lifecycle_workers(self, job_id: str) -> dict[int, str]:
         import redis
@@ -211,10 +246,47 @@ class Bench:
         return out
 
 
+def throughput(st: Stack, hosts: Hosts, rounds: int, steps: int) -> None:
+    """Part 1: tokens/s through the service across two hosts, on one host, and bare."""
+    # Part 1 runs the service as deployed (its default settings): the test-speed ones
+    # (a reconcile pass every 0.5 s, an ingest read every 0.2 s, a registry refresh every
+    # second) cost the API and PostgreSQL CPU that the ranks share here and would not on
+    # a cluster, where the API has a host of its own. Part 2 needs them: it times a loss.
+    b = Bench(st, hosts, {}, "1")
+    try:
+        for host in hosts.hosts[:2]:
+            b.host_worker(host)
+        for i in range(2):
+            b.local_worker(i)
+        n = iter(range(1000))
+        sides = {
+            "hosts": lambda: b.through_worker(HOSTS_Q, steps),
+            "one": lambda: b.through_worker(ONE_Q, steps),
+            "bare": lambda: b.bare(steps, next(n)),
+        }
+        alternate(1, sides)  # warm-up, not counted: first imports, page cache
+        runs = alternate(rounds, sides)
+    finally:
+        b.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"\n1. 2 nodes x 2 ranks, {steps} steps, tokens/s (median of steps > 5),"
+          f" {rounds} rounds after a warm-up round, default settings:")  # fmt: skip
+    for k, v in runs.items():
+        print(f"   {k:5s}: {', '.join(f'{x:,.0f}' for x in v)}  (median {med[k]:,.0f})")
+    for other, goal in (("one", 0.95), ("bare", 0.98)):
+        per = [h / o for h, o in zip(runs["hosts"], runs[other], strict=True)]
+        r = statistics.median(per)
+        print(f"   hosts / {other:4s} per round: {', '.join(f'{x:.3f}' for x in per)};"
+              f" median {r:.3f} (min {min(per):.3f}, max {max(per):.3f})"
+              f"  goal >= {goal}: {'ok' if r >= goal else 'MISS'}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--loss-only", action="store_true", help="part 2 alone")
+    p.add_argument("--log-lines", action="store_true", help="part 2: attempt 2's log lines")
     a = p.parse_args()
     why = available()
     if why is not None:
@@ -223,39 +295,10 @@ def main() -> None:
           " the namespace hosts share these CPUs (what differs is the network path)")  # fmt: skip
     with stack(owner="bench-hosts") as st, Hosts(3) as hosts:
         prepare_demo(st.tmp / "data" / "demo")
-        # Part 1 runs the service as deployed (its default settings): the test-speed ones
-        # (a reconcile pass every 0.5 s, an ingest read every 0.2 s, a registry refresh every
-        # second) cost the API and PostgreSQL CPU that the ranks share here and would not on
-        # a cluster, where the API has a host of its own. Part 2 needs them: it times a loss.
-        b = Bench(st, hosts, {}, "1")
-        try:
-            for host in hosts.hosts[:2]:
-                b.host_worker(host)
-            for i in range(2):
-                b.local_worker(i)
-            n = iter(range(1000))
-            sides = {
-                "hosts": lambda: b.through_worker(HOSTS_Q, a.steps),
-                "one": lambda: b.through_worker(ONE_Q, a.steps),
-                "bare": lambda: b.bare(a.steps, next(n)),
-            }
-            alternate(1, sides)  # warm-up, not counted: first imports, page cache
-            runs = alternate(a.rounds, sides)
-        finally:
-            b.close()
-        med = {k: statistics.median(v) for k, v in runs.items()}
-        print(f"\n1. 2 nodes x 2 ranks, {a.steps} steps, tokens/s (median of steps > 5),"
-              f" {a.rounds} rounds after a warm-up round, default settings:")  # fmt: skip
-        for k, v in runs.items():
-            print(f"   {k:5s}: {', '.join(f'{x:,.0f}' for x in v)}  (median {med[k]:,.0f})")
-        for other, goal in (("one", 0.95), ("bare", 0.98)):
-            per = [h / o for h, o in zip(runs["hosts"], runs[other], strict=True)]
-            r = statistics.median(per)
-            print(f"   hosts / {other:4s} per round: {', '.join(f'{x:.3f}' for x in per)};"
-                  f" median {r:.3f} (min {min(per):.3f}, max {max(per):.3f})"
-                  f"  goal >= {goal}: {'ok' if r >= goal else 'MISS'}")  # fmt: skip
-
+        if not a.loss_only:
+            throughput(st, hosts, a.rounds, a.steps)
         b = Bench(st, hosts, FAST, "2")
+        b.log_lines = a.log_lines
         try:
             for host in hosts.hosts:
                 b.host_worker(host)
