@@ -11,6 +11,7 @@ Queues are declared explicitly, one per trainq queue, exactly as the service's
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,29 @@ from worker.settings import WorkerSettings
 __all__ = ["app", "configure", "context"]
 
 log = logging.getLogger(__name__)
+
+# TCP keepalive on every broker connection: an idle one whose peer is gone (a host cut off,
+# a NAT or Redis that forgot it) is found dead within 10 + 3 x 5 = 25 s. kombu leaves it
+# off, and the kernel's default would wait 2 hours. Linux names; skipped where absent.
+KEEPALIVE = {
+    getattr(socket, name): value
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, name)
+}
+# kombu's Redis transport waits forever by default. With these, a command on a dead
+# connection (the event loop's own: restoring unacked messages, declaring a queue the intake
+# resumes; or a task handed back) fails within 10 s rather than blocking the consumer's loop
+# until TCP gives up (minutes; after a long cut, TCP's backed-off retransmission can come up
+# to 2 minutes after the link is back), a connect to a host that does not answer fails within
+# 5 s and is retried, and a BRPOP whose reply is overdue by more than 10 s is dropped and sent
+# again (kombu checks every health_check_interval: within 1 + 2 x 10 = 21 s).
+BROKER_TRANSPORT_OPTIONS = {
+    "socket_connect_timeout": 5,
+    "socket_timeout": 10,  # > the BRPOP's own 1 s (kombu's brpop_timeout), read when readable
+    "socket_keepalive": True,
+    "socket_keepalive_options": KEEPALIVE,
+    "health_check_interval": 10,
+}
 
 app = Celery("trainq", include=["worker.tasks"])
 app.conf.update(
@@ -48,6 +72,7 @@ app.conf.update(
     worker_send_task_events=False,
     worker_hijack_root_logger=True,
     broker_connection_retry_on_startup=True,
+    broker_transport_options=BROKER_TRANSPORT_OPTIONS,
     # A broker blip must not cancel a run in progress (and early-acked tasks are not redone).
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )

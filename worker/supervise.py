@@ -117,8 +117,13 @@ def run_attempt(msg: JobMessage, ctx: WorkerContext) -> Outcome | None:
     wake = threading.Event()
 
     def superseded() -> bool:
-        newest = ctx.redis.hget(ctx.keys.fence(msg.job_id), "attempt")
-        return newest is not None and int(newest) > msg.attempt
+        """A newer attempt holds the job's fence, or the service called this one lost (its
+        stop key: the next attempt may be waiting for this very slot, so it cannot claim)."""
+        pipe = ctx.redis.pipeline(transaction=False)
+        pipe.hget(ctx.keys.fence(msg.job_id), "attempt")
+        pipe.exists(ctx.keys.stop(msg.job_id, msg.attempt))
+        newest, stopped = pipe.execute()
+        return bool(stopped) or (newest is not None and int(newest) > msg.attempt)
 
     hb = Heartbeat(
         ctx.redis,
@@ -209,7 +214,7 @@ class _Attempt:
             job_id=msg.job_id,
             poll_s=self.s.cancel_poll_s,
             wake=wake,
-            stop_key=ctx.keys.stop(msg.job_id, msg.attempt) if self.multi else None,
+            stop_key=ctx.keys.stop(msg.job_id, msg.attempt),
             preempt_key=ctx.keys.preempt(msg.job_id, msg.attempt),
         )
 
@@ -252,14 +257,23 @@ class _Attempt:
             return Outcome(None, "preempted", f"worker {ctx.name} is shutting down")
         if self.cancel.check():
             if self.cancel.stopped:
-                return Outcome(None, "cancelled", self._stopped_message())
+                return Outcome(None, *self._stopped())
             if self.cancel.preempted is not None:
                 return Outcome(None, "preempted", f"before launch: {self.cancel.preempted}")
             return Outcome(None, "cancelled", "cancelled before launch")
         return None
 
-    def _stopped_message(self) -> str:
-        return f"stopped: attempt {self.msg.attempt} already ended on another node"
+    def _stopped(self) -> tuple[str, str]:
+        """The reason and message of a node stopped by the service's stop key: its attempt
+        ended on another node, or the service called it lost (its heartbeat expired: this
+        host was cut off, and the job runs again)."""
+        if self.multi:
+            return "cancelled", f"stopped: attempt {self.msg.attempt} already ended on another node"
+        return "superseded", (
+            f"stopped: the service called attempt {self.msg.attempt} lost (its heartbeat"
+            f" expired while worker {self.ctx.name} could not reach Redis) and runs the job"
+            " again"
+        )
 
     def _refuse(self) -> Outcome | None:
         """Reasons not to launch at all, found without starting a process."""
@@ -495,7 +509,7 @@ class _Attempt:
                 )
             if self.cancel.requested.is_set():
                 if self.cancel.stopped:
-                    return "cancelled", self._stopped_message()
+                    return self._stopped()
                 if self.cancel.preempted is not None:
                     return "preempted", self.cancel.preempted
                 return "cancelled", CANCELLED

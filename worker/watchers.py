@@ -24,7 +24,8 @@ class Heartbeat:
     service may have called the attempt lost and started the next one elsewhere, or not (an
     outage of Redis for everyone: nobody saw the key go). Which one, only Redis can say, so
     the first beat that gets through again asks ``superseded()`` (worker.supervise reads the
-    job's fence, trainer.fence); if it was, ``lost`` is set and ``on_lost`` called, and the
+    job's fence, trainer.fence, and the attempt's stop key, which the service sets when it
+    calls an attempt lost); if it was, ``lost`` is set and ``on_lost`` called, and the
     worker stops its half of a run that is no longer the job's.
     """
 
@@ -100,11 +101,11 @@ class CancelWatch:
     """Sets ``requested`` once the cancel key exists. Pub/sub wakes it; the key is the truth.
 
     Pub/sub is at most once (a message sent while we were reconnecting is gone), so the key
-    is also read every ``poll_s`` whatever the channel says. A multi-node attempt also
-    watches ``stop_key`` (the service ended the attempt: another node failed); finding it
-    sets ``requested`` too, and ``stopped``. So does ``preempt_key`` (the service's admitter
-    wants the attempt's capacity for a higher-priority job), with ``preempted``; its value is
-    the admitter's message.
+    is also read every ``poll_s`` whatever the channel says. It also watches ``stop_key``
+    (the service ended the attempt: another node failed, or it called the attempt lost while
+    this host was cut off); finding it sets ``requested`` too, and ``stopped``. So does
+    ``preempt_key`` (the service's admitter wants the attempt's capacity for a
+    higher-priority job), with ``preempted``; its value is the admitter's message.
     """
 
     def __init__(

@@ -45,6 +45,10 @@ def test_lost_heartbeat_retries_then_fails(api: Api, sim: Callable[..., WorkerSi
     assert [a["status"] for a in got["attempts"]] == ["lost", "dispatched"]
     assert got["attempts"][0]["reason"] == "lost"
     assert _queue_len(api) == 2  # the first attempt, and the retry sent at once
+    # Its host may only be cut off: once back, its run must stop (worker.supervise), or it
+    # holds the slot the retry may be waiting for. The retry is not told to stop.
+    assert api.services.redis.exists(api.keys.stop(job["id"], 1))
+    assert not api.services.redis.exists(api.keys.stop(job["id"], 2))
 
     # A late exit of the lost attempt changes nothing now.
     w1.exited(0)

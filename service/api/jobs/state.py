@@ -19,6 +19,10 @@ event. It ends when the last node has exited successfully, or at the first node 
 and their exits, coming after, change nothing. The nodes done so far are kept in
 ``attempts.node_exits``, read under a row lock, so two replicas ingesting two nodes' exits
 at once cannot both miss the last one, and a replayed exit is recognised.
+
+An attempt called lost, of one node or several, is asked to stop too: its host may only be
+cut off, its run alive, and once back it would hold its worker's slot for as long as the run
+lasts, a slot the job's next attempt may be waiting for (worker.supervise reads the key).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class StatusChange:
 class Outcome:
     changes: list[StatusChange] = field(default_factory=list)
     to_send: list[tuple[str, int]] = field(default_factory=list)  # new attempts to dispatch
-    # Multi-node attempts that ended while some of their nodes may still run.
+    # Attempts that ended while some of their nodes may still run: a multi-node attempt that
+    # failed, or any attempt called lost (its host may be cut off, not dead).
     to_stop: list[tuple[str, int]] = field(default_factory=list)
 
     def extend(self, other: Outcome) -> None:
@@ -272,8 +277,8 @@ def attempt_lost(
     ):
         return Outcome()
     out = _settle(session, job_id, number, "lost", message, at)
-    if _nodes(session, job_id) > 1:
-        out.to_stop.append((job_id, number))  # the other nodes may still run, or wait
+    # Its nodes may still run, or wait: a host cut off, not dead, or the other nodes.
+    out.to_stop.append((job_id, number))
     return out
 
 

@@ -67,9 +67,11 @@ def signal_cancel(redis: Any, keys: Keys, job_id: str) -> None:
 
 
 def signal_stop(redis: Any, keys: Keys, attempts: Iterable[tuple[str, int]]) -> bool:
-    """Tell the nodes of ended multi-node attempts that still run to stop (the stop key is
-    the truth; the publish on the cancel channel only wakes them). False (logged) when Redis
-    is unreachable: a node left running then ends when its peers are gone."""
+    """Tell the nodes of ended attempts that still run to stop (a multi-node attempt that
+    failed, an attempt called lost): the stop key is the truth, read by the worker whenever
+    Redis answers; the publish on the cancel channel only wakes them. False (logged) when
+    Redis is unreachable: a node left running then ends when its peers are gone, or when
+    the job's next attempt raises its fence."""
     attempts = list(attempts)
     if not attempts:
         return True
