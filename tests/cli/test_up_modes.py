@@ -52,9 +52,12 @@ def test_up_with_auth_on_writes_an_admin_token_and_stops_on_sigterm(
         stderr=subprocess.PIPE,
         text=True,
     )
+    banner: list[str] = []
     try:
+        # Printed once `trainq up` itself found everything ready: the API answering the
+        # test's own poll may come first, and a SIGTERM then would stop it before the banner.
+        banner = _banner(up)
         token_file = data / "admin-token"
-        wait_for(lambda: up.poll() is not None or token_file.exists(), 60, "the token file")
         token = token_file.read_text().strip()
         assert token and token_file.stat().st_mode & 0o777 == 0o600
         auth = {"Authorization": f"Bearer {token}"}
@@ -75,7 +78,8 @@ def test_up_with_auth_on_writes_an_admin_token_and_stops_on_sigterm(
         assert len(children) >= 3  # redis, worker, api: each leads its own process group
     finally:
         up.send_signal(signal.SIGTERM)
-        out, err = up.communicate(timeout=90)
+        rest, err = up.communicate(timeout=90)
+    out = "\n".join([*banner, rest])
     assert up.returncode == 0, err
     assert "auth on: export TRAINQ_TOKEN=$(cat" in out and "stopped; no process left." in out
     assert not any(_group_alive(pid) for pid in children)
