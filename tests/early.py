@@ -9,7 +9,7 @@ heartbeats and subprocesses); the test that needs one waits only for what is lef
 tests/conftest.py starts each one whose test was collected, and stops what is still running
 (its own process group, by id) and removes its folder when the session ends.
 
-Run with pytest-xdist (`-n 2`, not the suite's default), the controller is that session: it
+Under pytest-xdist (`-n 2`, the suite's default), its controller is that session: it
 starts each check once, when a worker's collection shows its test, and the worker that runs
 the test waits on the check's folder, which every worker learns from the controller
 (``workerinput``): the folder holds ``pid`` (its process group) and, once it has ended,
