@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,8 +30,22 @@ PG_ADMIN_URL = os.environ.get(
 CLAIM_WAIT_S = 240.0
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    early.configure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:  # pytest-xdist's controller, for each worker
+    early.configure_node(node)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    early.start_all(session.config, session.items)
+    early.start_all(session.config, [item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    early.start_all(node.config, ids)  # the controller: a worker's collection
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

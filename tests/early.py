@@ -8,6 +8,12 @@ heartbeats and subprocesses); the test that needs one waits only for what is lef
 
 tests/conftest.py starts each one whose test was collected, and stops what is still running
 (its own process group, by id) and removes its folder when the session ends.
+
+Under pytest-xdist (`-n 2`, the suite's default), its controller is that session: it
+starts each check once, when a worker's collection shows its test, and the worker that runs
+the test waits on the check's folder, which every worker learns from the controller
+(``workerinput``): the folder holds ``pid`` (its process group) and, once it has ended,
+``rc`` (its exit code). Without this, each worker would build its own.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,30 +40,48 @@ PACKAGE = ["pyproject.toml", "README.md", "service", "worker", "trainer", "migra
 
 @dataclass
 class Check:
-    """A command running in the background (its own process group); ``result`` waits."""
+    """A command running in the background (its own process group); ``result`` waits. Any
+    process of the session may wait on it: what it needs is in ``folder``."""
 
-    popen: subprocess.Popen[bytes]
-    folder: Path  # its output log, and whatever it builds
+    folder: Path  # output.log, pid, rc once it has ended; whatever it builds
+    # Where it was started (the session, or xdist's controller): what waits and stops it.
+    popen: subprocess.Popen[bytes] | None = None
+    reaper: threading.Thread | None = field(default=None, repr=False)
 
     def result(self, timeout: float) -> tuple[int, str]:
         """Its exit code and output (stdout and stderr), once it has ended. A test waits on
         it now: it goes on at the normal priority where this process may raise it."""
-        if self.popen.poll() is None:
+        rc = self.folder / "rc"
+        if not rc.exists():
             try:
-                os.setpriority(os.PRIO_PROCESS, self.popen.pid, 0)
+                os.setpriority(os.PRIO_PGRP, int((self.folder / "pid").read_text()), 0)
             except (PermissionError, ProcessLookupError):  # not ours to raise; or just ended
                 pass
-        code = self.popen.wait(timeout)
-        return code, (self.folder / "output.log").read_text(errors="replace")
+        deadline = time.monotonic() + timeout
+        while not rc.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.folder.name}: still running after {timeout:g} s")
+            time.sleep(0.2)
+        return int(rc.read_text()), (self.folder / "output.log").read_text(errors="replace")
+
+    def _reap(self) -> None:
+        """In a thread of the process that started it: ``rc`` written when it ends."""
+        assert self.popen is not None
+        code = self.popen.wait()
+        try:
+            (self.folder / "rc.part").write_text(str(code))
+            (self.folder / "rc.part").replace(self.folder / "rc")
+        except OSError:  # stopped at the session's end, its folder removed meanwhile
+            pass
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
+        if self.popen is not None and self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGKILL)
             except ProcessLookupError:  # ended meanwhile
                 pass
-            self.popen.wait(10)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.reaper is not None:
+            self.reaper.join(10)
 
 
 def _die_with_the_session() -> None:
@@ -71,22 +98,30 @@ def start(argv: list[str], folder: Path, env: dict[str, str] | None = None) -> C
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_the_session,
         )  # fmt: skip
-    return Check(popen, folder)
+    (folder / "pid").write_text(str(popen.pid))
+    check = Check(folder, popen)
+    check.reaper = threading.Thread(target=check._reap, name=f"early-{folder.name}", daemon=True)
+    check.reaper.start()
+    return check
 
 
-MYPY = pytest.StashKey[Check]()
-VENV = pytest.StashKey[Check]()
+MYPY = "mypy"
+VENV = "venv"
+UP_TEST = "test_trainq_up_demo_from_a_fresh_venv"  # tests/cli/test_up.py, which VENV is for
+# The checks' folder (every process of the session), and what this process started.
+BASE = pytest.StashKey[Path]()
+STARTED = pytest.StashKey[dict[str, Check]]()
+WORKERINPUT = "trainq_early"
 
 
-def start_mypy() -> Check:
-    return start([sys.executable, "-m", "mypy"], Path(tempfile.mkdtemp(prefix="trainq-mypy-")))
+def start_mypy(folder: Path) -> Check:
+    return start([sys.executable, "-m", "mypy"], folder)
 
 
-def start_venv() -> Check:
+def start_venv(root: Path) -> Check:
     """FOLDER/venv: `python -m venv` (no system site packages, no pip of its own), then
     `pip install torch==2.13.0 FOLDER/src[hf]` (the README's install; FOLDER/src a copy of
     the repository's package files) by this session's pip, without byte-compiling."""
-    root = Path(tempfile.mkdtemp(prefix="trainq-venv-"))
     src = root / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -107,22 +142,53 @@ def start_venv() -> Check:
     return start(argv, root, env)
 
 
-def _collected(items: list[pytest.Item], module: str, name: str) -> bool:
-    path = REPO / "tests" / module
-    return any(item.path == path and item.name == name for item in items)
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
 
 
-def start_all(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.option.collectonly:
+def configure(config: pytest.Config) -> None:
+    """The checks' folder: the session's own, or (an xdist worker) its controller's."""
+    if _is_worker(config):
+        config.stash[BASE] = Path(config.workerinput[WORKERINPUT])  # type: ignore[attr-defined]
+    else:
+        config.stash[BASE] = Path(tempfile.mkdtemp(prefix="trainq-early-"))
+        config.stash[STARTED] = {}
+
+
+def configure_node(node: Any) -> None:
+    """xdist's controller, for each worker it starts: where the checks are."""
+    node.workerinput[WORKERINPUT] = str(node.config.stash[BASE])
+
+
+def _nodeid(config: pytest.Config, module: str, name: str) -> str:
+    return f"{(REPO / 'tests' / module).relative_to(config.rootpath).as_posix()}::{name}"
+
+
+def start_all(config: pytest.Config, nodeids: list[str]) -> None:
+    """Each check whose test is among ``nodeids`` (a collection's), once a session. Not in an
+    xdist worker: its controller gets every worker's collection and starts them."""
+    if config.option.collectonly or _is_worker(config):
         return
-    if _collected(items, "test_lint.py", "test_mypy"):
-        config.stash[MYPY] = start_mypy()
-    if _collected(items, "cli/test_up.py", "test_trainq_up_demo_from_a_fresh_venv"):
-        config.stash[VENV] = start_venv()
+    started, base, ids = config.stash[STARTED], config.stash[BASE], set(nodeids)
+    if MYPY not in started and _nodeid(config, "test_lint.py", "test_mypy") in ids:
+        (base / MYPY).mkdir()
+        started[MYPY] = start_mypy(base / MYPY)
+    if VENV not in started and _nodeid(config, "cli/test_up.py", UP_TEST) in ids:
+        (base / VENV).mkdir()
+        started[VENV] = start_venv(base / VENV)
+
+
+def check(config: pytest.Config, name: str) -> Check:
+    """The check ``name`` (MYPY, VENV) that this session started for a test of it."""
+    folder = config.stash[BASE] / name
+    if not (folder / "pid").exists():
+        pytest.fail(f"tests/early.py did not start {name}: was its test collected?")
+    return Check(folder)
 
 
 def stop_all(config: pytest.Config) -> None:
-    for key in (MYPY, VENV):
-        check = config.stash.get(key, None)
-        if check is not None:
-            check.stop()
+    if _is_worker(config) or BASE not in config.stash:
+        return
+    for started in config.stash[STARTED].values():
+        started.stop()
+    shutil.rmtree(config.stash[BASE], ignore_errors=True)

@@ -28,5 +28,5 @@ def test_ruff(command: tuple[str, ...]) -> None:
 
 def test_mypy(request: pytest.FixtureRequest) -> None:
     # Started when the session collected this test (tests/early.py); its result is read here.
-    code, output = request.config.stash[early.MYPY].result(timeout=600)
+    code, output = early.check(request.config, early.MYPY).result(timeout=600)
     assert code == 0, output

@@ -389,17 +389,21 @@ def test_refused_streams_leave_healthz_answering_and_cost_no_lookup(
             await asyncio.sleep(0.05)
         assert services.hub.open.get(api.user) == cap
         probes: list[int] = []
-        stop = threading.Event()
+        stop, probing = threading.Event(), threading.Event()
 
         def probe() -> None:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
                 while not stop.is_set():
                     probes.append(c.get("/healthz").status_code)
+                    probing.set()
                     stop.wait(0.02)
 
         prober = threading.Thread(target=probe)
         prober.start()
         try:
+            # The burst starts once the prober has an answer: on a loaded machine its thread
+            # may otherwise start only after a burst that took no time (no probe, nothing shown).
+            assert await asyncio.to_thread(probing.wait, 30), "the /healthz prober never answered"
             refused = await asyncio.gather(*(get(port, path, hold) for _ in range(burst)))
             # A job id nobody has: refused at the cap all the same, never looked up.
             refused.append(await get(port, "/v1/jobs/ffffffffffffffff/events", hold))

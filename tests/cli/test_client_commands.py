@@ -405,3 +405,41 @@ def test_ci_pipeline_example_gates_on_the_outcome(cli_system: CliSystem, repo_ro
         [str(script), str(bad)], env=env, capture_output=True, text=True, timeout=60, cwd=repo_root
     )
     assert refused.returncode != 0  # curl -f fails on the 422 before anything waits
+
+
+# -- --set on a spec file: one alternative replaces the other (tests/cli/test_spec_overrides.py)
+
+CORPUS = "A newcomer trains on what was uploaded, not on the demo folder.\n" * 200
+
+
+def test_set_dataset_on_a_spec_with_a_path_trains_on_the_dataset(
+    cli_system: CliSystem, trainq: Run, tmp_path: Path
+) -> None:
+    url = cli_system.api.url
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS, encoding="utf-8")
+    up = trainq("data", "upload", str(corpus), "--name", "newcomer", "--wait", url=url)
+    assert up.code == 0, up.err
+    hint = next(w for w in up.out.split() if w.startswith("train.data.dataset="))
+
+    spec = cli_system.spec("on-upload")  # data: {path: demo}, as the examples have
+    assert "path: demo" in spec.read_text()
+    done = trainq("submit", str(spec), "--wait", "--set", hint, url=url, timeout=240)
+    assert done.code == 0, (done.out, done.err)
+    job_id = done.out.split()[1]
+    shown = trainq("status", job_id, "--json", url=url)
+    job = json.loads(shown.out)
+    folder = json.loads(trainq("data", "show", "newcomer", "--json", url=url).out)["path"]
+    # Stored: the dataset, its folder frozen as the path; never the spec file's "demo".
+    data = job["train"]["data"]
+    assert data["dataset"] == "newcomer" and data["path"] == folder != "demo", data
+
+    # The other way: a path over a spec that names a dataset.
+    back = trainq("plan", str(spec), "--set", hint, "--set", "train.data.path=demo", url=url)
+    assert back.code == 0, back.err
+    # Both in the file (the user wrote both): the API still refuses, naming the field.
+    both = tmp_path / "both.yaml"
+    both.write_text(spec.read_text().replace("path: demo", "path: demo\n    dataset: newcomer"))
+    refused = trainq("submit", str(both), url=url)
+    assert refused.code == 6 and "not both" in one_line(refused.err), refused
+    assert trainq("data", "rm", "newcomer", url=url).code == 0

@@ -65,7 +65,7 @@ def _tree(root: int) -> dict[int, str]:
 def venv(request: pytest.FixtureRequest) -> Path:
     """The fresh environment, built while the session ran the tests before this one
     (tests/early.py: `python -m venv`, then pip installs torch and a copy of the repo)."""
-    check = request.config.stash[early.VENV]
+    check = early.check(request.config, early.VENV)
     code, output = check.result(timeout=900)  # transformers and its dependencies too
     assert code == 0, output[-3000:]
     return check.folder / "venv"

@@ -1,6 +1,7 @@
 """`trainq up` from the repository: auth on (token file, 401 without it), SIGTERM, refusals
 (a second `trainq up` in one data folder among them), the banner's hints, and what it reads
-off the machine (GPU names to queues, Redis URLs)."""
+off the machine (GPU names to queues, Redis URLs). The tests that only look at a running
+`trainq up` with auth off share one (``up_auth_off``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -52,9 +55,12 @@ def test_up_with_auth_on_writes_an_admin_token_and_stops_on_sigterm(
         stderr=subprocess.PIPE,
         text=True,
     )
+    banner: list[str] = []
     try:
+        # Printed once `trainq up` itself found everything ready: the API answering the
+        # test's own poll may come first, and a SIGTERM then would stop it before the banner.
+        banner = _banner(up)
         token_file = data / "admin-token"
-        wait_for(lambda: up.poll() is not None or token_file.exists(), 60, "the token file")
         token = token_file.read_text().strip()
         assert token and token_file.stat().st_mode & 0o777 == 0o600
         auth = {"Authorization": f"Bearer {token}"}
@@ -75,7 +81,8 @@ def test_up_with_auth_on_writes_an_admin_token_and_stops_on_sigterm(
         assert len(children) >= 3  # redis, worker, api: each leads its own process group
     finally:
         up.send_signal(signal.SIGTERM)
-        out, err = up.communicate(timeout=90)
+        rest, err = up.communicate(timeout=90)
+    out = "\n".join([*banner, rest])
     assert up.returncode == 0, err
     assert "auth on: export TRAINQ_TOKEN=$(cat" in out and "stopped; no process left." in out
     assert not any(_group_alive(pid) for pid in children)
@@ -160,64 +167,75 @@ def _stop(up: subprocess.Popen[str]) -> tuple[str, str]:
         return up.communicate(timeout=10)
 
 
-def test_a_second_up_in_the_same_data_folder_is_refused(
-    subprocess_env: dict[str, str], tmp_path: Path
-) -> None:
-    data = tmp_path / "d"
-    argv = [*trainq_argv(), "up", "--data-dir", str(data), "--port"]
-    first = _start_up([*argv, str(free_port())], _env(subprocess_env), tmp_path)
+@dataclass
+class Up:
+    popen: subprocess.Popen[str]
+    banner: list[str]  # what it printed up to "Ctrl-C stops everything."
+    data: Path
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def up_auth_off(
+    subprocess_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, repo_root: Path
+) -> Iterator[Up]:
+    """One `trainq up` (auth off, from the repository) for the tests that only look at it: the
+    banner's hints, a second `trainq up` in its folder. It must stop cleanly on SIGTERM."""
+    # The console script, as the README installs it, when this environment has one.
+    script = Path(sys.executable).parent / "trainq"
+    cmd = [str(script)] if script.exists() else trainq_argv()
+    data = tmp_path_factory.mktemp("up") / "d"
+    env = _env(subprocess_env)
+    up = _start_up(
+        [*cmd, "up", "--port", str(free_port()), "--data-dir", str(data)], env, repo_root
+    )
     try:
-        _banner(first)
-        # Another free port: only the folder is shared (its Redis AOF, its SQLite).
-        second = subprocess.run(
-            [*argv, str(free_port())],
-            env=_env(subprocess_env),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        _, err = _stop(first)
+        banner = _banner(up)
+    except BaseException:
+        _stop(up)
+        raise
+    yield Up(up, banner, data, env)
+    _, err = _stop(up)
+    assert up.returncode == 0, err
+
+
+def test_a_second_up_in_the_same_data_folder_is_refused(up_auth_off: Up) -> None:
+    data, first = up_auth_off.data, up_auth_off.popen
+    # Another free port: only the folder is shared (its Redis AOF, its SQLite).
+    second = subprocess.run(
+        [*trainq_argv(), "up", "--data-dir", str(data), "--port", str(free_port())],
+        env=up_auth_off.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert second.returncode == 1, second
     assert one_line(second.stderr) == (
         f"trainq up: error: another trainq up is running with data folder {data.resolve()} "
         f"(pid {first.pid})"
     )
     assert second.stdout == ""  # refused before it started anything
-    assert first.returncode == 0, err
     assert (data / "up.lock").read_text().strip() == str(first.pid)
+    assert first.poll() is None  # the first goes on
 
 
-def test_the_banner_hints_run_as_printed_without_demo(
-    subprocess_env: dict[str, str], tmp_path: Path, repo_root: Path
-) -> None:
-    # The console script, as the README installs it, when this environment has one.
-    script = Path(sys.executable).parent / "trainq"
-    cmd = [str(script)] if script.exists() else trainq_argv()
-    port = free_port()
-    data = tmp_path / "d"
-    env = _env(subprocess_env)
-    up = _start_up([*cmd, "up", "--port", str(port), "--data-dir", str(data)], env, repo_root)
-    try:
-        banner = _banner(up)
-        hints = [line.strip() for line in banner if line.strip().startswith("TRAINQ_URL=")]
-        assert [h.split()[-1] for h in hints] == ["workers", "--follow"], banner
-        workers, submit = hints
-        assert submit.endswith(" submit examples/tiny-ddp.yaml --follow"), submit
-        assert (data / "data/demo").is_dir()  # the examples' dataset, without --demo
-        # Each hint as a user pastes it into a shell, from the folder trainq up ran in.
-        r = subprocess.run(
-            ["bash", "-c", workers], env=env, cwd=repo_root, capture_output=True, text=True,
-            timeout=60,
-        )  # fmt: skip
-        assert r.returncode == 0 and r.stdout.startswith("NAME"), r
-        r = subprocess.run(
-            ["bash", "-c", f"{submit} --set train.steps=2"],
-            env=env, cwd=repo_root, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
-        assert r.returncode == 0, r
-        assert " succeeded; final loss " in r.stdout, r
-        assert "None" not in r.stdout + r.stderr
-    finally:
-        _, err = _stop(up)
-    assert up.returncode == 0, err
+def test_the_banner_hints_run_as_printed_without_demo(up_auth_off: Up, repo_root: Path) -> None:
+    banner, data, env = up_auth_off.banner, up_auth_off.data, up_auth_off.env
+    hints = [line.strip() for line in banner if line.strip().startswith("TRAINQ_URL=")]
+    assert [h.split()[-1] for h in hints] == ["workers", "--follow"], banner
+    workers, submit = hints
+    assert submit.endswith(" submit examples/tiny-ddp.yaml --follow"), submit
+    assert (data / "data/demo").is_dir()  # the examples' dataset, without --demo
+    # Each hint as a user pastes it into a shell, from the folder trainq up ran in.
+    r = subprocess.run(
+        ["bash", "-c", workers], env=env, cwd=repo_root, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.startswith("NAME"), r
+    r = subprocess.run(
+        ["bash", "-c", f"{submit} --set train.steps=2"],
+        env=env, cwd=repo_root, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r
+    assert " succeeded; final loss " in r.stdout, r
+    assert "None" not in r.stdout + r.stderr
