@@ -1,11 +1,12 @@
 """Hosts for tests and benchmarks: Linux network namespaces on one bridge, as separate hosts.
 
-``Hosts(n)`` makes a bridge in the root namespace with a random ``10.231.X.0/24`` subnet
-(the root side is ``.1``), and ``n`` namespaces, each joined to the bridge by a veth pair
-and holding one address (``.11``, ``.12`` ...) on its own ``eth0``. Processes started with
-``Host.popen`` run inside their namespace (``ip netns exec``): they reach the root
-namespace, and each other, only over the bridge, never over a shared loopback. The file
-system is not namespaced, so one folder is every host's "NFS" data and runs roots.
+``Hosts(n)`` makes a bridge in the root namespace with a ``10.231.X.0/24`` subnet that no
+interface holds yet (the root side is ``.1``), and ``n`` namespaces, each joined to the
+bridge by a veth pair and holding one address (``.11``, ``.12`` ...) on its own ``eth0``.
+Processes started with ``Host.popen`` run inside their namespace (``ip netns exec``): they
+reach the root namespace, and each other, only over the bridge, never over a shared
+loopback. The file system is not namespaced, so one folder is every host's "NFS" data and
+runs roots.
 
 Redis listens on 127.0.0.1 of the root namespace only, so each host gets a ``Forwarder``:
 a small TCP relay in this process from ``.1:PORT`` on the bridge to Redis. One relay per
@@ -24,8 +25,10 @@ says why namespaces cannot be made here (not root, no ``ip``), for a clear skip.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
+import re
 import selectors
 import shutil
 import signal
@@ -39,6 +42,7 @@ from pathlib import Path
 __all__ = ["Forwarder", "Host", "Hosts", "available"]
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
+_LOCK = "/tmp/trainq-hosts.lock"
 _CMD_TIMEOUT_S = 20.0
 
 
@@ -238,17 +242,29 @@ class Hosts:
     """``count`` namespace hosts on a fresh bridge; ``close()`` removes all of it."""
 
     def __init__(self, count: int, redis: tuple[str, int] = ("127.0.0.1", 6379)) -> None:
-        self.net = random.randint(1, 254)
-        tag = f"tq{self.net}x{os.getpid() % 10000}"  # <= 15 chars with a suffix of 2
-        self.bridge = f"{tag}br"
-        self.gateway = f"10.231.{self.net}.1"
         self.redis = redis
         self.hosts: list[Host] = []
         self._made_bridge = False
+        # Sessions side by side (pytest-xdist's workers, a bench) each make a bridge: the
+        # subnet is one no interface holds yet, chosen and taken under a lock of the machine.
+        with open(_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            held = set(re.findall(r"inet 10\.231\.(\d+)\.", _ip("-o", "-4", "addr", "show")))
+            free = [n for n in range(1, 255) if str(n) not in held]
+            if not free:
+                raise RuntimeError("every 10.231.X.0/24 subnet is taken by another bridge")
+            self.net = random.choice(free)
+            tag = f"tq{self.net}x{os.getpid() % 10000}"  # <= 15 chars with a suffix of 2
+            self.bridge = f"{tag}br"
+            self.gateway = f"10.231.{self.net}.1"
+            try:
+                _ip("link", "add", self.bridge, "type", "bridge")
+                self._made_bridge = True
+                _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            except BaseException:
+                self.close()
+                raise
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            self._made_bridge = True
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i in range(count):
                 self.hosts.append(self._add(tag, i))
