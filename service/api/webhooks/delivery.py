@@ -293,8 +293,9 @@ class Deliverer:
         enabled = {e.id for e in self.endpoints}
         rooms = {eid: lane.room() for eid, lane in self.lanes.items() if eid in enabled}
         want = self.settings.webhook_in_flight - self.held()
-        free = self.pace.take(want) if any(room > 0 for room in rooms.values()) else 0
-        self.paced = free < want
+        roomy = any(room > 0 for room in rooms.values())
+        free = self.pace.take(want) if roomy else 0
+        self.paced = roomy and free < want  # the pace bound it (not full lanes, not none set)
         if free <= 0:
             rooms = {}
         batch = self._take_outcomes()
