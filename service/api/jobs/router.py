@@ -19,7 +19,8 @@ from service.api.jobs import crud, job_json
 from service.api.jobs.schemas import JobList, JobOut, JobSpec, JobStatus, JobSummary, PlanOut
 from service.api.jobs.state import cancel_job
 from service.api.jobs.submit import submit_one
-from service.api.jobs.vet import needs_io, spec_from_payload, vet_spec, with_owner_tracking
+from service.api.jobs.tracking import with_owner_default
+from service.api.jobs.vet import needs_io, spec_from_payload, vet_spec
 from service.api.scheduling.limits import (
     OwnerLimits,
 )
@@ -202,7 +203,7 @@ async def submit_job(
     else:
         spec = parse_spec(*args)
     own = await _owner_limits(services, principal)
-    spec = with_owner_tracking(spec, own)  # once: vet_spec finds it done
+    spec = with_owner_default(spec, own.tracking)  # once: vet_spec finds it done
     if needs_io(spec):  # a store, a file or DNS to read: on a worker thread
         spec, disk = await run_in_threadpool(
             vet_spec, services.settings, services.reader, principal, spec, own

@@ -37,7 +37,7 @@ from service.api.scheduling.limits import (
 from trainer.config import ConfigError, HFModelConfig, resolve_data_path
 from trainer.mesh import LayoutError, layout
 
-__all__ = ["needs_io", "owner_limits", "spec_from_payload", "vet_spec", "with_owner_tracking"]
+__all__ = ["needs_io", "owner_limits", "spec_from_payload", "vet_spec"]
 
 
 def spec_from_payload(payload: dict[str, Any], data_root: Any) -> JobSpec:
@@ -82,18 +82,9 @@ def owner_limits(services: Services, principal: Principal) -> OwnerLimits:
     return services.limits.owners.get(services.reader.connect, principal.name)
 
 
-def with_owner_tracking(spec: JobSpec, own: OwnerLimits) -> JobSpec:
-    """The spec with the owner's default ``train.tracking`` when it names none (its JSON
-    parsed here; InvalidInput naming ``train.tracking`` if it is no longer valid). ``vet_spec``
-    does this itself; a caller that needs the result first (the submit route, for
-    ``needs_io``) does it before, and ``vet_spec`` then finds it done (a spec that names a
-    tracking is left as it is), so the default is parsed once per submit."""
-    return with_owner_default(spec, own.tracking)
-
-
 def needs_io(spec: JobSpec) -> bool:
     """Whether ``vet_spec`` would read a store, a file or DNS for this spec, the owner's
-    default tracking already applied (``with_owner_tracking``); the submit route then runs
+    default tracking already applied (``with_owner_default``); the submit route then runs
     it on a worker thread, not on the event loop."""
     train = spec.train
     return (
@@ -129,7 +120,7 @@ def vet_spec(
     spec = apply_runtime_rules(spec, settings)  # 422, or the queue's default deadline
     disk = check_run_disk(spec, settings)  # 422 over TRAINQ_RUNS_MAX_JOB_BYTES
     check_priority(principal, spec.priority, own)  # 403 above the owner's max_priority
-    spec = with_owner_tracking(spec, own)  # when the spec names none (done, if done before)
+    spec = with_owner_default(spec, own.tracking)  # when the spec names none (or done before)
     if check_urls and needs_check(spec):  # an outbound URL: resolved
         check_tracking(spec, settings)
     return spec, disk

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, delete, exists, func, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.core.models import (
@@ -264,21 +263,15 @@ def mark_pruned(tx: Any, through: dict[str, int]) -> None:
     now = utcnow()
     rows = [{"owner": o, "through_id": i, "pruned_at": now} for o, i in sorted(through.items())]
     dialect = tx.get_bind().dialect.name if isinstance(tx, Session) else tx.dialect.name
-    mark = EVENTS_PRUNED.c.through_id
-    if dialect == "postgresql":
-        pg = pg_insert(EVENTS_PRUNED)
-        new = pg.excluded
-        stmt: Any = pg.on_conflict_do_update(
-            index_elements=["owner"],
-            set_={"through_id": func.greatest(mark, new.through_id), "pruned_at": new.pruned_at},
-        )
-    else:  # SQLite: max(a, b) is its two-argument scalar max
-        lite = sqlite_insert(EVENTS_PRUNED)
-        new = lite.excluded
-        stmt = lite.on_conflict_do_update(
-            index_elements=["owner"],
-            set_={"through_id": func.max(mark, new.through_id), "pruned_at": new.pruned_at},
-        )
+    postgres = dialect == "postgresql"
+    insert = (postgresql if postgres else sqlite).insert(EVENTS_PRUNED)
+    higher = func.greatest if postgres else func.max  # SQLite's max(a, b) is a scalar max
+    new = insert.excluded
+    stmt = insert.on_conflict_do_update(
+        index_elements=["owner"],
+        set_={"through_id": higher(EVENTS_PRUNED.c.through_id, new.through_id),
+              "pruned_at": new.pruned_at},
+    )  # fmt: skip
     tx.execute(stmt, rows)
 
 
