@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -264,3 +266,62 @@ def test_events_a_lost_attempt_sends_after_it_was_called_lost_are_dropped(
     assert [(p["attempt"], p["step"]) for p in points["points"]] == [(1, 1), (1, 2)]
     logs = api.client.get(f"/v1/jobs/{job['id']}/logs", headers=api.headers())
     assert "still training" not in logs.text
+
+
+def test_metrics_and_logs_wait_for_company_a_lifecycle_change_does_not(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    """In its loop the ingestor holds metric and log entries up to ``ingest_linger_ms`` so
+    several share one transaction; the first lifecycle entry ends that wait."""
+    from service.api.streams.ingest import Ingestor
+
+    job = api.submit()
+    w = sim(job["id"])
+    w.running()
+    api.drain()
+    settings = make_settings(redis_prefix=api.settings.redis_prefix, ingest_linger_ms=10_000)
+    s = api.services
+    ing = Ingestor(settings, s.sessions, s.redis, s.dispatcher, consumer="lingering")
+    ing.ensure_group()
+    r, group = s.redis, settings.consumer_group
+    handled: list[int] = []
+    w.metric(1)
+    loop = threading.Thread(target=lambda: handled.append(ing.run_once(block_ms=1000)))
+    loop.start()
+    try:
+        w.log((0, "step 1"))
+        w.metric(2)
+        for _ in range(200):  # bounded: until the lingering read holds all three
+            if r.xpending(api.keys.events, group)["pending"] == 3:
+                break
+            time.sleep(0.02)
+        assert r.xpending(api.keys.events, group)["pending"] == 3
+        assert loop.is_alive() and _counts(api, job["id"]) == (0, 0)  # held, not applied
+        w.exited(0)
+        loop.join(8)  # the linger is 10 s: only the lifecycle entry can end it this soon
+        assert not loop.is_alive()
+    finally:
+        if loop.is_alive():
+            w.exited(0)
+            loop.join(20)
+    assert handled == [4]  # one transaction for all four
+    assert _counts(api, job["id"]) == (2, 1)
+    assert api.get(job["id"])["status"] == "succeeded"
+    assert r.xpending(api.keys.events, group)["pending"] == 0
+
+
+def test_a_read_that_may_not_block_does_not_linger(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    from service.api.streams.ingest import Ingestor
+
+    job = api.submit()
+    w = sim(job["id"])
+    w.running()
+    api.drain()
+    settings = make_settings(redis_prefix=api.settings.redis_prefix, ingest_linger_ms=10_000)
+    s = api.services
+    ing = Ingestor(settings, s.sessions, s.redis, s.dispatcher, consumer="draining")
+    w.metric(1)
+    assert ing.run_once(block_ms=None) == 1  # returned without waiting out the 10 s
+    assert _counts(api, job["id"]) == (1, 0)
