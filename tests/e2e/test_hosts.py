@@ -19,7 +19,9 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,16 +118,33 @@ class HostCluster(Cluster):
         return self.start_host_worker(host)
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
+@contextmanager
+def host_cluster(
+    pg_url: str,
+    redis_dbs: Any,
+    subprocess_env: dict[str, str],
+    root: Path,
+    count: int,
+    user: str,
+) -> Iterator[HostCluster]:
+    """``count`` namespace hosts, a system (API in the root namespace) and a worker on each
+    host, registered; all stopped and removed on exit. Skips where namespaces are denied."""
     why = available()
     if why is not None:
         pytest.skip(why)
-    made = Hosts(3)
-    try:
-        yield made
-    finally:
-        made.close()
+    env = {k: v for k, v in subprocess_env.items() if k != "TRAINQ_ADVERTISE_HOST"}
+    with Hosts(count) as hosts:
+        system: System = build_system(root, pg_url, redis_dbs, env, SETTINGS)
+        try:
+            api = system.start_api(auth=True)
+            api.token = create_token(system.env["TRAINQ_DATABASE_URL"], user)
+            c = HostCluster(system, api)
+            c.hosts, c.on = hosts, {}
+            for name in [c.start_host_worker(host) for host in hosts.hosts]:  # start together
+                c.wait_registered(name)
+            yield c
+        finally:
+            system.stop()
 
 
 @pytest.fixture(scope="module")
@@ -134,21 +153,10 @@ def cluster(
     redis_dbs: Any,
     subprocess_env: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
-    hosts: Hosts,
 ) -> Iterator[HostCluster]:
-    env = {k: v for k, v in subprocess_env.items() if k != "TRAINQ_ADVERTISE_HOST"}
     root = tmp_path_factory.mktemp("hosts")
-    system: System = build_system(root, pg_url, redis_dbs, env, SETTINGS)
-    try:
-        api = system.start_api(auth=True)
-        api.token = create_token(system.env["TRAINQ_DATABASE_URL"], "hosts-user")
-        c = HostCluster(system, api)
-        c.hosts, c.on = hosts, {}
-        for name in [c.start_host_worker(host) for host in hosts.hosts]:  # they start together
-            c.wait_registered(name)
+    with host_cluster(pg_url, redis_dbs, subprocess_env, root, 3, "hosts-user") as c:
         yield c
-    finally:
-        system.stop()
 
 
 def submit(c: HostCluster, name: str, nodes: int, procs: int, **spec: Any) -> str:

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.system import System, build_system, create_token, wait_for
-from tests.e2e.test_hosts import QUEUE, SETTINGS, TTL_GRACE, HostCluster
+from tests.e2e.system import wait_for
+from tests.e2e.test_hosts import QUEUE, SETTINGS, TTL_GRACE, HostCluster, host_cluster
 from tests.e2e.test_system import ENDLESS, TRAIN
-from tests.hosts import Host, Hosts, available
+from tests.hosts import Host
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,22 +43,9 @@ def cluster(
     subprocess_env: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[HostCluster]:
-    why = available()
-    if why is not None:
-        pytest.skip(why)
-    env = {k: v for k, v in subprocess_env.items() if k != "TRAINQ_ADVERTISE_HOST"}
     root = tmp_path_factory.mktemp("heal")
-    with Hosts(1) as hosts:
-        system: System = build_system(root, pg_url, redis_dbs, env, SETTINGS)
-        try:
-            api = system.start_api(auth=True)
-            api.token = create_token(system.env["TRAINQ_DATABASE_URL"], "heal-user")
-            c = HostCluster(system, api)
-            c.hosts, c.on = hosts, {}
-            c.wait_registered(c.start_host_worker(hosts.hosts[0]))
-            yield c
-        finally:
-            system.stop()
+    with host_cluster(pg_url, redis_dbs, subprocess_env, root, 1, "heal-user") as c:
+        yield c
 
 
 def _the_worker(cluster: HostCluster) -> tuple[str, Host]:
