@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from service.api.core.models import LOGS, METRICS
+from service.api.streams.ingest import Ingestor
 from tests.api.support import Api, WorkerSim
 from trainer.events import Event, Keys, Publisher
 
@@ -26,6 +27,15 @@ def _counts(api: Api, job_id: str) -> tuple[int, int]:
             select(func.count()).select_from(LOGS).where(LOGS.c.job_id == job_id)
         ).scalar_one()
     return int(metrics), int(logs)
+
+
+def _ingestor(
+    api: Api, make_settings: Callable[..., Any], consumer: str, **overrides: Any
+) -> Ingestor:
+    """An ingestor of ``api``'s streams with settings of its own, as another replica."""
+    settings = make_settings(redis_prefix=api.settings.redis_prefix, **overrides)
+    s = api.services
+    return Ingestor(settings, s.sessions, s.redis, s.dispatcher, consumer=consumer)
 
 
 def _job_stream_statuses(api: Api, job_id: str) -> list[str]:
@@ -138,11 +148,7 @@ def test_a_dead_consumers_pending_entries_are_claimed(
     r = api.services.redis
     api.ingestor(consumer="dead").ensure_group()
     r.xreadgroup(api.settings.consumer_group, "dead", {api.keys.events: ">"}, count=100)
-    from service.api.streams.ingest import Ingestor
-
-    settings = make_settings(redis_prefix=api.settings.redis_prefix, ingest_claim_idle_ms=0)
-    s = api.services
-    other = Ingestor(settings, s.sessions, s.redis, s.dispatcher, consumer="alive")
+    other = _ingestor(api, make_settings, "alive", ingest_claim_idle_ms=0)
     api.drain(other)
     assert api.get(job["id"])["status"] == "running"
     assert r.xpending(api.keys.events, api.settings.consumer_group)["pending"] == 0
@@ -273,17 +279,13 @@ def test_metrics_and_logs_wait_for_company_a_lifecycle_change_does_not(
 ) -> None:
     """In its loop the ingestor holds metric and log entries up to ``ingest_linger_ms`` so
     several share one transaction; the first lifecycle entry ends that wait."""
-    from service.api.streams.ingest import Ingestor
-
     job = api.submit()
     w = sim(job["id"])
     w.running()
     api.drain()
-    settings = make_settings(redis_prefix=api.settings.redis_prefix, ingest_linger_ms=10_000)
-    s = api.services
-    ing = Ingestor(settings, s.sessions, s.redis, s.dispatcher, consumer="lingering")
+    ing = _ingestor(api, make_settings, "lingering", ingest_linger_ms=10_000)
     ing.ensure_group()
-    r, group = s.redis, settings.consumer_group
+    r, group = api.services.redis, api.settings.consumer_group
     handled: list[int] = []
     w.metric(1)
     loop = threading.Thread(target=lambda: handled.append(ing.run_once(block_ms=1000)))
@@ -313,15 +315,30 @@ def test_metrics_and_logs_wait_for_company_a_lifecycle_change_does_not(
 def test_a_read_that_may_not_block_does_not_linger(
     api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
 ) -> None:
-    from service.api.streams.ingest import Ingestor
-
     job = api.submit()
     w = sim(job["id"])
     w.running()
     api.drain()
-    settings = make_settings(redis_prefix=api.settings.redis_prefix, ingest_linger_ms=10_000)
-    s = api.services
-    ing = Ingestor(settings, s.sessions, s.redis, s.dispatcher, consumer="draining")
+    ing = _ingestor(api, make_settings, "draining", ingest_linger_ms=10_000)
+    w.metric(1)  # alone: nothing but the missing block may end a linger
+    t0 = time.monotonic()
+    assert ing.run_once(block_ms=None) == 1
+    assert time.monotonic() - t0 < 5  # did not wait out the 10 s linger
+    assert _counts(api, job["id"]) == (1, 0)
+
+
+def test_waits_longer_than_the_redis_socket_timeout_end_in_no_entries_not_an_error(
+    api: Api, sim: Callable[..., WorkerSim], make_settings: Callable[..., Any]
+) -> None:
+    """A block or a linger longer than the client's socket timeout is read as several
+    shorter waits: it ends with what came, never in redis' TimeoutError."""
+    job = api.submit()
+    w = sim(job["id"])
+    w.running()
+    api.drain()
+    wait_ms = int(api.settings.redis_timeout_s * 2500)  # the socket's timeout, 2.5 times
+    ing = _ingestor(api, make_settings, "patient", ingest_linger_ms=wait_ms)
+    assert ing.run_once(block_ms=wait_ms) == 0  # nothing came
     w.metric(1)
-    assert ing.run_once(block_ms=None) == 1  # returned without waiting out the 10 s
+    assert ing.run_once(block_ms=wait_ms) == 1  # lingered for company, none came
     assert _counts(api, job["id"]) == (1, 0)

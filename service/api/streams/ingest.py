@@ -163,11 +163,20 @@ class Ingestor:
             if entries:
                 return list(entries)
         resp = self.redis.xreadgroup(
-            self.group, self.consumer, {self.keys.events: ">"}, count=batch, block=block_ms
+            self.group,
+            self.consumer,
+            {self.keys.events: ">"},
+            count=batch,
+            block=None if block_ms is None else self._bounded(block_ms),
         )
         entries = list(resp[0][1]) if resp else []
         # A read that may not block (block_ms None: apply what is there now) does not linger.
         return self._linger(entries) if entries and block_ms is not None else entries
+
+    def _bounded(self, block_ms: int) -> int:
+        """A blocking read's wait, kept within half the Redis client's socket timeout
+        (``redis_timeout_s``): a longer one would end in a timeout error, not in no entries."""
+        return max(1, min(block_ms, int(self.settings.redis_timeout_s * 500)))
 
     def _linger(self, entries: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
         """More new entries for the same transaction, while they are all metrics and logs,
@@ -192,11 +201,9 @@ class Ingestor:
                 self.consumer,
                 {self.keys.events: ">"},
                 count=batch - len(entries),
-                block=left_ms,
+                block=self._bounded(left_ms),
             )
-            if not resp:
-                break
-            new = list(resp[0][1])
+            new = list(resp[0][1]) if resp else []
             entries = entries + new
         return entries
 
