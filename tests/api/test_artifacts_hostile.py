@@ -93,6 +93,10 @@ def test_generations_in_flight_per_owner_are_bounded_across_replicas(
     ):
         replica = create_app(app.state.services.settings)
         with TestClient(replica) as client2:
+            # FastAPI builds an app's route table on its first request, from route objects
+            # every app of the process shares: the replica answers one before the threads
+            # start (tests/api/support.through_two_replicas; two at once raised a 500 in CI).
+            client2.get("/v1/no-such-route")
             job = _job_with_checkpoint(client, headers, app.state.services.settings, api.queue)
             _worker(app, api.queue)
             body = {"model": job, "prompt": "a", "stream": True}
