@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     ingest_batch: int = Field(500, ge=1, le=100_000)
     ingest_block_ms: int = Field(1000, ge=1)
     # Metric and log entries wait up to this long for more to share their transaction
-    # (service.api.streams.ingest.Ingestor._read); a lifecycle entry ends the wait. 0: none.
+    # (service.api.streams.ingest.Ingestor._linger); any other entry ends the wait. 0: none.
     ingest_linger_ms: int = Field(500, ge=0, le=10_000)
     ingest_claim_idle_ms: int = Field(30_000, ge=0)  # pending entries of a dead consumer
     reconcile_interval_s: float = Field(2.0, gt=0)

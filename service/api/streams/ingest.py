@@ -162,21 +162,21 @@ class Ingestor:
             entries = [e for e in claimed[1] if e is not None]
             if entries:
                 return list(entries)
-        resp = self.redis.xreadgroup(
-            self.group,
-            self.consumer,
-            {self.keys.events: ">"},
-            count=batch,
-            block=None if block_ms is None else self._bounded(block_ms),
-        )
-        entries = list(resp[0][1]) if resp else []
+        entries = self._new(batch, block_ms)
         # A read that may not block (block_ms None: apply what is there now) does not linger.
         return self._linger(entries) if entries and block_ms is not None else entries
 
-    def _bounded(self, block_ms: int) -> int:
-        """A blocking read's wait, kept within half the Redis client's socket timeout
-        (``redis_timeout_s``): a longer one would end in a timeout error, not in no entries."""
-        return max(1, min(block_ms, int(self.settings.redis_timeout_s * 500)))
+    def _new(self, count: int, block_ms: int | None) -> list[tuple[Any, Any]]:
+        """Up to ``count`` entries no consumer of the group was given yet, waiting up to
+        ``block_ms`` for the first (None: not at all). The wait is kept within half the Redis
+        client's socket timeout (``redis_timeout_s``): a longer one would end in a timeout
+        error, not in no entries."""
+        if block_ms is not None:
+            block_ms = max(1, min(block_ms, int(self.settings.redis_timeout_s * 500)))
+        resp = self.redis.xreadgroup(
+            self.group, self.consumer, {self.keys.events: ">"}, count=count, block=block_ms
+        )
+        return list(resp[0][1]) if resp else []
 
     def _linger(self, entries: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
         """More new entries for the same transaction, while they are all metrics and logs,
@@ -196,15 +196,8 @@ class Ingestor:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 break
-            resp = self.redis.xreadgroup(
-                self.group,
-                self.consumer,
-                {self.keys.events: ">"},
-                count=batch - len(entries),
-                block=self._bounded(left_ms),
-            )
-            new = list(resp[0][1]) if resp else []
-            entries = entries + new
+            new = self._new(batch - len(entries), left_ms)
+            entries.extend(new)
         return entries
 
     def run_once(self, block_ms: int | None = None) -> int:
