@@ -4,13 +4,17 @@ events (running at the first, ended by the last success or the first failure), r
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import redis as redis_lib
 from sqlalchemy import select
 
 from service.api.core.models import ATTEMPTS
+from service.api.streams.notify import StopSignals
 from tests.api.support import Api, WorkerSim
+from tests.hosts import Forwarder
 from trainer.events import NODE_SEQ_SHIFT, Event, worker_source
 
 
@@ -197,3 +201,82 @@ def test_a_node_whose_exit_is_not_yet_ingested_is_not_lost(api: Api, make_settin
         "0": {"exit_code": 0, "reason": None},
         "1": {"exit_code": 0, "reason": None},
     }
+
+
+@pytest.fixture()
+def stops_cut_off(api: Api) -> Iterator[tuple[Forwarder, StopSignals]]:
+    """Stop signals whose Redis connection runs through a relay the test cuts: the store and
+    the rest of Redis answer, the stop keys cannot be set until ``resume()``."""
+    url = redis_lib.connection.parse_url(api.settings.redis_url)
+    relay = Forwarder(("127.0.0.1", 0), (url.get("host", "127.0.0.1"), url.get("port", 6379)))
+    relay.start()
+    client = redis_lib.Redis(host="127.0.0.1", port=relay.port, db=url.get("db", 0))
+    try:
+        yield relay, StopSignals(client, api.keys)
+    finally:
+        client.close()
+        relay.close()
+
+
+def test_a_stop_redis_refused_when_an_attempt_was_lost_is_said_on_the_next_pass(
+    api: Api, stops_cut_off: tuple[Forwarder, StopSignals]
+) -> None:
+    relay, stops = stops_cut_off
+    job = api.submit(nodes=2, retries=1)
+    n0, n1 = NodeSim(api, job["id"], 0), NodeSim(api, job["id"], 1)
+    n0.claim(), n1.claim()
+    n0.running(), n1.running()
+    api.drain()
+    rec = api.reconciler()
+    rec.stops = stops
+    relay.cut()
+    n1.stop_heartbeat()
+    assert rec.run_once() == {"sent": 0, "lost": 1}
+    stop = api.keys.stop(job["id"], 1)
+    assert api.get(job["id"])["attempts"][0]["status"] == "lost"  # committed all the same
+    assert not api.services.redis.exists(stop)
+    assert stops.unsent == [(job["id"], 1)]
+    assert rec.run_once() == {"sent": 0, "lost": 0}
+    assert stops.unsent == [(job["id"], 1)], "kept while Redis refuses"
+    relay.resume()
+    rec.run_once()
+    assert stops.unsent == []
+    assert api.services.redis.exists(stop) and api.services.redis.ttl(stop) > 0
+    assert not api.services.redis.exists(api.keys.stop(job["id"], 2))
+
+
+def test_a_stop_redis_refused_after_a_node_failed_is_said_by_the_next_batch(
+    api: Api, stops_cut_off: tuple[Forwarder, StopSignals]
+) -> None:
+    relay, stops = stops_cut_off
+    job = api.submit(nodes=2, retries=1)
+    n0, n1 = NodeSim(api, job["id"], 0), NodeSim(api, job["id"], 1)
+    ing = api.ingestor()
+    ing.stops = stops
+    n0.running(), n1.running()
+    api.drain(ing)
+    relay.cut()
+    n1.exited(1, "exit_code", "rank 1 exited with exit code 1")
+    api.drain(ing)
+    assert (api.get(job["id"])["status"], api.get(job["id"])["attempt"]) == ("queued", 2)
+    stop = api.keys.stop(job["id"], 1)
+    assert not api.services.redis.exists(stop)
+    assert stops.unsent == [(job["id"], 1)]
+    relay.resume()
+    assert api.drain(ing) == 0  # nothing new: the batch that follows says the stop
+    assert stops.unsent == [] and api.services.redis.exists(stop)
+
+
+def test_unsent_stops_are_bounded_oldest_let_go_first(
+    api: Api, stops_cut_off: tuple[Forwarder, StopSignals]
+) -> None:
+    relay, stops = stops_cut_off
+    relay.cut()
+    stops.limit = 2
+    assert not stops.send([("a", 1), ("b", 1)])
+    assert not stops.send([("c", 2)])
+    assert stops.unsent == [("b", 1), ("c", 2)]
+    relay.resume()
+    assert stops.send()
+    assert api.services.redis.exists(api.keys.stop("c", 2))
+    assert not api.services.redis.exists(api.keys.stop("a", 1))

@@ -41,7 +41,7 @@ from service.api.datasets.service import reap_stale
 from service.api.jobs.state import Outcome, attempt_lost
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
 from service.api.scheduling.passlock import StorePass, one_pass
-from service.api.streams.notify import publish_status, signal_stop
+from service.api.streams.notify import StopSignals, publish_status
 from worker.message import broker_queue, worker_queue
 
 __all__ = ["Reconciler"]
@@ -74,11 +74,13 @@ class Reconciler(StorePass):
         self._dispatched_after = 0
         self._suspects: set[tuple[str, int]] = set()
         self._orphans_at = 0.0
+        self.stops = StopSignals(redis, self.keys)
 
     def run_once(self, *, orphans: bool = False) -> dict[str, int] | None:
         """One pass, if no other replica holds the lock; counts of what it did, else None.
         ``orphans``: also look for sent attempts whose message the broker lost."""
         ttl_s = max(10.0, self.settings.reconcile_interval_s * 5)
+        self.stops.send()  # what an earlier pass could not say (idempotent: any replica)
         with one_pass(self.redis, self.lock_key, ttl_s) as mine:
             if not mine:
                 return None
@@ -286,7 +288,7 @@ class Reconciler(StorePass):
         publish_status(
             self.redis, self.keys, outcome.changes, maxlen=self.settings.job_stream_maxlen
         )
-        signal_stop(self.redis, self.keys, outcome.to_stop)
+        self.stops.send(outcome.to_stop)
         if outcome.to_send:
             dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
         if lost:

@@ -20,16 +20,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.core.db import insert_for
 from service.api.core.models import ATTEMPTS, JOBS, LOGS, METRICS
 from service.api.core.settings import Settings
 from service.api.events.record import record_job_event
 from service.api.jobs.state import Outcome, attempt_exited, attempt_running
 from service.api.scheduling.dispatch import Dispatcher, dispatch_attempts
-from service.api.streams.notify import publish_status, signal_stop
+from service.api.streams.notify import StopSignals, publish_status
 from service.api.streams.schemas import METRIC_FIELDS
 from trainer.events import REASONS, Event, Keys
 
@@ -92,10 +92,6 @@ def _when(ts: float) -> datetime:
         return datetime.now(UTC)
 
 
-def _insert(session: Session) -> Any:
-    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
-
-
 class Ingestor:
     """One consumer of the events stream; ``run_once`` is one batch, ``run`` loops."""
 
@@ -119,6 +115,7 @@ class Ingestor:
             else None
         )
         self.keys = Keys(settings.redis_prefix)
+        self.stops = StopSignals(redis, self.keys)
         self.group = settings.consumer_group
         self.consumer = consumer or settings.consumer_name
         self._read_own_pending = True  # first our own PEL: what we read but never acked
@@ -203,6 +200,7 @@ class Ingestor:
     def run_once(self, block_ms: int | None = None) -> int:
         """Read one batch and apply it; the number of entries handled (0: nothing came)."""
         self.ensure_group()
+        self.stops.send()  # what an earlier batch could not say (Redis failed after its commit)
         entries = self._read(block_ms)
         if not entries:
             return 0
@@ -240,7 +238,7 @@ class Ingestor:
         publish_status(
             self.redis, self.keys, outcome.changes, maxlen=self.settings.job_stream_maxlen
         )
-        signal_stop(self.redis, self.keys, outcome.to_stop)
+        self.stops.send(outcome.to_stop)
         if outcome.to_send:
             dispatch_attempts(self.sessions, self.dispatcher, outcome.to_send)
         if any(ev.kind == "lifecycle" for ev in events):
@@ -304,7 +302,7 @@ class Ingestor:
                     outcome.extend(self._lifecycle(session, ev))
                 elif ev.kind == "checkpoint":
                     _checkpoint_written(session, ev)
-            insert = _insert(session)
+            insert = insert_for(session)
             if metrics:
                 session.execute(
                     insert(METRICS).on_conflict_do_nothing(

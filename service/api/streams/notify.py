@@ -9,6 +9,7 @@ still learns the terminal status from the row (``service.api.streams.sse`` check
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -16,7 +17,14 @@ from typing import Any
 from service.api.jobs.state import StatusChange
 from trainer.events import Event, Keys
 
-__all__ = ["CANCEL_TTL_S", "publish_status", "signal_cancel", "signal_stop", "status_event"]
+__all__ = [
+    "CANCEL_TTL_S",
+    "StopSignals",
+    "publish_status",
+    "signal_cancel",
+    "signal_stop",
+    "status_event",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +93,37 @@ def signal_stop(redis: Any, keys: Keys, attempts: Iterable[tuple[str, int]]) -> 
     except Exception as exc:  # redis.RedisError, OSError
         log.warning("could not stop the nodes of %d attempt(s): %s", len(attempts), exc)
         return False
+
+
+class StopSignals:
+    """The stop keys a loop (the reconciler, an ingestor) has to set, kept until Redis takes
+    them. An attempt's ending is committed before its stop is said: when Redis fails in
+    between, the stop is said again on the loop's next pass (``send()``), not dropped, so a
+    node cut off when its attempt ended still finds the key once it is back. Bounded: past
+    ``limit`` unsent stops the oldest are let go (the fence of the job's next attempt still
+    holds them off its run, and a node whose peers are gone ends)."""
+
+    def __init__(self, redis: Any, keys: Keys, *, limit: int = 10_000) -> None:
+        self.redis, self.keys, self.limit = redis, keys, limit
+        self._unsent: dict[tuple[str, int], None] = {}  # insertion-ordered set
+        self._lock = threading.Lock()
+
+    @property
+    def unsent(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self._unsent)
+
+    def send(self, attempts: Iterable[tuple[str, int]] = ()) -> bool:
+        """Say the stop of ``attempts`` and of every stop not yet said; False when Redis
+        refused (they are kept for the next call)."""
+        with self._lock:
+            self._unsent.update(dict.fromkeys(attempts))
+            for old in list(self._unsent)[: max(0, len(self._unsent) - self.limit)]:
+                del self._unsent[old]
+            todo = list(self._unsent)
+        if not todo or not signal_stop(self.redis, self.keys, todo):
+            return not todo
+        with self._lock:
+            for sent in todo:
+                self._unsent.pop(sent, None)
+        return True
