@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, exc
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import ClauseElement
@@ -36,6 +36,7 @@ __all__ = [
     "AsyncReader",
     "PerLoop",
     "ensure_sqlite_dir",
+    "insert_for",
     "is_sqlite",
     "make_async_reader",
     "make_engine",
@@ -46,6 +47,13 @@ __all__ = [
 
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
+
+
+def insert_for(conn: Session | Any) -> Any:
+    """``insert`` of the store's dialect, the one with ``on_conflict_do_*`` (PostgreSQL's or
+    SQLite's, the two the service runs on), for a Session or a Connection."""
+    bind = conn.get_bind() if isinstance(conn, Session) else conn
+    return (postgresql if bind.dialect.name == "postgresql" else sqlite).insert
 
 
 def ensure_sqlite_dir(url: str) -> None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import insert, literal, select, text
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service.api.core.db import insert_for
 from service.api.core.models import EVENTS, JOBS, utcnow
 
 __all__ = ["EVENT_TYPES", "record_event", "record_job_event"]
@@ -54,8 +54,7 @@ def _lock(session: Session) -> None:
 def _insert(session: Session, key: str | None) -> Any:
     if key is None:
         return insert(EVENTS)
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    return dialect.insert(EVENTS).on_conflict_do_nothing(index_elements=["dedupe_key"])
+    return insert_for(session)(EVENTS).on_conflict_do_nothing(index_elements=["dedupe_key"])
 
 
 def record_event(

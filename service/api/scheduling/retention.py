@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, delete, exists, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.core.db import insert_for
 from service.api.core.models import (
     ATTEMPTS,
     EVENTS,
@@ -262,9 +262,8 @@ def mark_pruned(tx: Any, through: dict[str, int]) -> None:
         return
     now = utcnow()
     rows = [{"owner": o, "through_id": i, "pruned_at": now} for o, i in sorted(through.items())]
-    dialect = tx.get_bind().dialect.name if isinstance(tx, Session) else tx.dialect.name
-    postgres = dialect == "postgresql"
-    insert = (postgresql if postgres else sqlite).insert(EVENTS_PRUNED)
+    insert = insert_for(tx)(EVENTS_PRUNED)
+    postgres = (tx.get_bind() if isinstance(tx, Session) else tx).dialect.name == "postgresql"
     higher = func.greatest if postgres else func.max  # SQLite's max(a, b) is a scalar max
     new = insert.excluded
     stmt = insert.on_conflict_do_update(

@@ -24,9 +24,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, func, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service.api.core.db import insert_for
 from service.api.core.models import EVENTS, WEBHOOK_DELIVERIES, WEBHOOKS, utcnow
 from service.api.core.settings import Settings
 from service.api.webhooks.schemas import matches
@@ -99,10 +99,6 @@ class Outcome:
     error: str | None
 
 
-def _insert(session: Session) -> Any:
-    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
-
-
 def enabled_endpoints(session: Session) -> list[Endpoint]:
     rows = session.execute(
         select(
@@ -158,7 +154,9 @@ def fan_out(session: Session, endpoints: list[Endpoint], settings: Settings, lim
                 n["status"] = "waiting"
             busy.add(key)
         session.execute(
-            _insert(session)(D).on_conflict_do_nothing(index_elements=["endpoint_id", "event_id"]),
+            insert_for(session)(D).on_conflict_do_nothing(
+                index_elements=["endpoint_id", "event_id"]
+            ),
             new,
         )
     # Every event of these owners up to the last one read was seen: each cursor moves there.
