@@ -3,22 +3,27 @@
 Three hosts from ``tests/hosts.py`` (namespaces on a bridge, Redis reached through a relay
 per host), PostgreSQL, Redis and the API in the root namespace, a fresh store (``stack()``).
 
-1. Tokens/s of one 2-node x 2-rank job (the trainer's own ``tokens_per_s``, median of the
-   steps after the first few), three ways, each run once unmeasured first (imports, page
-   cache), then alternated over ``--rounds`` (A B C / C B A / ...: drift hits all alike):
+1. Tokens/s of one 2-node x 2-rank job (the trainer's own ``tokens_per_s``), three ways:
    - ``hosts``: through the service, one node on each of two namespace hosts;
    - ``one``: through the service, both nodes on one host (two workers in the root
      namespace, rendezvous on loopback);
    - ``bare``: ``torchrun --nnodes 2`` started by hand in the same two namespaces (static
      rendezvous at host 0's address, the same trainer, config and data; no worker).
-   Each ratio is taken per round (the three runs of a round are back to back) and reported
-   as the median over the rounds, with a 90% bootstrap interval of that median. Beside it,
-   the CPU the service's own processes (API, PostgreSQL, Redis, workers, the relays) used
-   during each run, as a share of the machine: one run of one side alone spreads by several
-   % here (each settles in a state of its own), the CPU share does not. Goals: hosts/one >= 0.95,
-   hosts/bare >= 0.98. The service runs with its default settings here: the test-speed ones
-   part 2 needs make the API and PostgreSQL poll several times as often, CPU taken from
-   the ranks on this machine and from nobody's on a cluster (the API has its own host).
+   This machine's speed drifts by 10-30% over tens of seconds (a VM's neighbours: one long
+   bare run here went from 10.5k to 14.3k tokens/s and back within minutes, with no steal
+   time reported), more than the differences measured. So the three jobs run at once and
+   take the machine in turns: each is started alone and held (SIGSTOP to its torchrun
+   agents and ranks) once it steps; then, for ``--cycles``, each in turn runs ``--window``
+   seconds while the others are held (A B C / C B A / ...). A turn's rate is the median of
+   the steps logged from 1 s after it began; each ratio is taken per cycle, between turns
+   seconds apart, and reported as the median over the cycles with a 90% bootstrap interval
+   of that median. ``--aa`` adds a second bare job: bare/bare2 shows what the method
+   resolves (it should be 1 within its interval). Beside it, the CPU the service's own
+   processes (API, PostgreSQL, Redis, workers, the relays) used during each side's turns,
+   as a share of the machine. Goals: hosts/one >= 0.95, hosts/bare >= 0.98. The service
+   runs with its default settings here: the test-speed ones part 2 needs make the API and
+   PostgreSQL poll several times as often, CPU taken from the ranks on this machine and
+   from nobody's on a cluster (the API has its own host).
 2. Time from a host's loss (every process in it killed, its link down) to the job running
    again on the remaining hosts: to attempt 2's start, and to its first step; printed with
    the heartbeat TTL + grace. Goal: <= grace + 10 s. A fresh API and workers with test-speed
@@ -27,18 +32,23 @@ per host), PostgreSQL, Redis and the API in the root namespace, a fresh store (`
    Then a timeline: the first event of each kind per attempt and node (lifecycle phases,
    logs, the first metric), seconds after the loss (``--log-lines``: attempt 2's lines too).
 
-``python bench/hosts.py [--rounds 5] [--steps 40] [--loss-only] [--log-lines]``
+``python bench/hosts.py [--cycles 30] [--window 6] [--aa] [--loss-only] [--log-lines]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -50,7 +60,6 @@ import httpx
 from bench._util import (
     CORES,
     Stack,
-    alternate,
     cpu_seconds,
     postgres_pids,
     stack,
@@ -97,9 +106,81 @@ def wait(pred: Any, timeout: float, what: str, every: float = 0.2) -> Any:
     return value
 
 
-def median_rate(points: list[dict[str, Any]], skip: int = 5) -> float:
-    rates = [p["tokens_per_s"] for p in points if p["step"] > skip and p.get("tokens_per_s")]
-    return statistics.median(rates)
+FOREVER = 1_000_000  # steps: a comparison's jobs run until it finishes them
+SETTLE_S = 1.0  # of a turn, before its steps count
+
+
+def process_tree(roots: list[int]) -> list[int]:
+    """``roots`` and every process descended from them (from /proc, at this moment)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def torchruns(parents: list[int]) -> list[int]:
+    """The torchrun agents among ``parents`` and their descendants (plain torchrun, or the
+    worker's ``trainer.torchrun``; not the worker's guard, whose argv only names it)."""
+    out = []
+    for pid in process_tree(parents):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] in ([b"-m", b"torch.distributed.run"], [b"-m", b"trainer.torchrun"]):
+            out.append(pid)
+    return out
+
+
+@dataclass
+class Side:
+    """One 2-node x 2-rank job of the comparison, running until ``finish``. ``hold`` stops
+    every process of the run (the torchrun agents and their ranks, SIGSTOP) while another
+    side has the machine; ``go`` lets it on again. The job's own step records say what it
+    did while it ran (``records``: step, time, tokens_per_s)."""
+
+    name: str
+    parents: Callable[[], list[int]]  # the processes the run's torchrun agents descend from
+    records: Callable[[], list[dict[str, Any]]]
+    finish: Callable[[], None]
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    cpu: list[dict[str, float]] = field(default_factory=list)  # the service's, per window
+
+    def signal(self, sig: int) -> None:
+        agents = torchruns(self.parents())
+        assert len(agents) == 2, f"{self.name}: torchrun agents {agents}"
+        for pid in process_tree(agents):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def hold(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def go(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def rates(self, settle: float) -> list[float | None]:
+        """Per window: the median tokens/s of the steps logged from ``settle`` s after it
+        began to its end (the first step after a hold spans the hold; the next ones warm
+        the caches again), None for a window with fewer than 3 such steps."""
+        recs = [(float(r.get("time") or r["ts"]), r["tokens_per_s"]) for r in self.records()
+                if r.get("tokens_per_s")]  # fmt: skip
+        out: list[float | None] = []
+        for t0, t1 in self.windows:
+            inside = [rate for t, rate in recs if t0 + settle <= t <= t1]
+            out.append(statistics.median(inside) if len(inside) >= 3 else None)
+        return out
 
 
 class Bench:
@@ -135,17 +216,6 @@ class Bench:
             "relays": time.process_time(),
         }
 
-    def measured(self, side: Any) -> Any:
-        """``side()``'s tokens/s, with the share of the machine's CPU the service took meanwhile."""
-
-        def run() -> tuple[float, dict[str, float]]:
-            before, t0 = self.service_cpu(), time.monotonic()
-            rate = side()
-            wall, after = time.monotonic() - t0, self.service_cpu()
-            return rate, {k: (after[k] - before[k]) / wall / CORES for k in before}
-
-        return run
-
     def registered(self, name: str) -> bool:
         listed = self.client.get("/v1/workers").json()["items"]
         return any(w["name"] == name for w in listed)
@@ -161,10 +231,11 @@ class Bench:
         wait(lambda: self.registered(name), 90, f"worker {name}")
         return name
 
-    def local_worker(self, i: int) -> None:
+    def local_worker(self, i: int) -> str:
         name = f"b{self.tag}-local{i}"
         self.workers[name] = start_worker(self.env, ONE_Q, name, self.st.tmp / f"{name}.log")
         wait(lambda: self.registered(name), 90, f"worker {name}")
+        return name
 
     def submit(self, queue: str, cfg: dict[str, Any], **spec: Any) -> str:
         body = {"name": queue, "queue": queue, "train": cfg, "nodes": 2, "procs_per_node": 2}
@@ -179,25 +250,26 @@ class Bench:
         r = self.client.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 100_000})
         return list(r.json()["points"])
 
-    def through_worker(self, queue: str, steps: int) -> float:
-        job_id = self.submit(queue, train(steps))
-        # Polled every 2 s, as a CI job gating on the result would: the bare side polls
-        # nothing, and each poll is API and PostgreSQL CPU taken from the ranks here.
-        done = wait(
-            lambda: (j := self.job(job_id))["status"] in ("succeeded", "failed") and j,
-            600,
-            f"job {job_id}",
-            2.0,
-        )
-        assert done["status"] == "succeeded", done
-        return median_rate(self.points(job_id))
+    def service_side(self, name: str, queue: str, workers: list[str]) -> Side:
+        """A job through the service on ``queue`` (served by ``workers``), once it steps."""
+        job_id = self.submit(queue, train(FOREVER))
+        pids = [self.workers[w].pid for w in workers]
 
-    def bare(self, steps: int, n: int) -> float:
-        """torchrun --nnodes 2 by hand in host 0 and host 1: the same trainer, no worker."""
+        def finish() -> None:
+            self.client.post(f"/v1/jobs/{job_id}/cancel")
+            wait(lambda: self.job(job_id)["status"] in ("cancelled", "failed"), 120, job_id)
+
+        side = Side(name, lambda: pids, lambda: self.points(job_id), finish)
+        wait(lambda: len(self.points(job_id)) > 5, 600, f"{name}: 6 steps", 1.0)
+        return side
+
+    def bare_side(self, name: str, n: int) -> Side:
+        """``torchrun --nnodes 2`` by hand in host 0 and host 1: the same trainer, config and
+        data, no worker (static rendezvous at host 0's address), once it steps."""
         h0, h1 = self.hosts.hosts[0], self.hosts.hosts[1]
         run = self.st.tmp / f"bare-{n}"
         run.mkdir()
-        (run / "config.json").write_text(json.dumps(train(steps)))
+        (run / "config.json").write_text(json.dumps(train(FOREVER)))
         port = 29400 + n
         env = {k: v for k, v in self.env.items() if not k.startswith("TRAINQ_")}
         env.update(GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=self.env.get("OMP_NUM_THREADS", "1"))
@@ -209,10 +281,26 @@ class Bench:
                     "-m", "trainer", "--config", str(run / "config.json"),
                     "--run-dir", str(run), "--data-root", str(self.st.tmp / "data")]  # fmt: skip
             procs.append(host.popen(argv, env, run / f"node{rank}.log", cwd=run))
-        for p in procs:
-            assert p.wait(600) == 0, (run / "node0.log").read_text()[-2000:]
-        records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-        return median_rate([r for r in records if "step" in r])
+
+        def records() -> list[dict[str, Any]]:
+            with contextlib.suppress(FileNotFoundError):
+                lines = (run / "metrics.jsonl").read_text().splitlines()
+                return [r for ln in lines if "step" in (r := json.loads(ln))]
+            return []
+
+        def finish() -> None:
+            for p in procs:  # torchrun passes the signal on to its ranks
+                p.terminate()
+            for p in procs:
+                p.wait(60)
+
+        def stepping() -> bool:
+            assert all(p.poll() is None for p in procs), (run / "node0.log").read_text()[-2000:]
+            return len(records()) > 5
+
+        side = Side(name, lambda: [p.pid for p in procs], records, finish)
+        wait(stepping, 600, f"{name}: 6 steps", 1.0)
+        return side
 
     def host_loss(self) -> tuple[float, float, float]:
         """(s to attempt 1 lost, s to attempt 2 started, s to its first step) after the loss."""
@@ -286,50 +374,71 @@ class Bench:
         return out
 
 
-def throughput(st: Stack, hosts: Hosts, rounds: int, steps: int) -> None:
-    """Part 1: tokens/s through the service across two hosts, on one host, and bare."""
+def throughput(st: Stack, hosts: Hosts, cycles: int, window: float, aa: bool) -> None:
+    """Part 1: tokens/s through the service across two hosts, on one host, and bare, the
+    three jobs running at once and taking the machine in turns."""
     # Part 1 runs the service as deployed (its default settings): the test-speed ones
     # (a reconcile pass every 0.5 s, an ingest read every 0.2 s, a registry refresh every
     # second) cost the API and PostgreSQL CPU that the ranks share here and would not on
     # a cluster, where the API has a host of its own. Part 2 needs them: it times a loss.
     b = Bench(st, hosts, {}, "1")
+    sides: list[Side] = []
     try:
-        for host in hosts.hosts[:2]:
-            b.host_worker(host)
-        for i in range(2):
-            b.local_worker(i)
-        n = iter(range(1000))
-        sides = {
-            "hosts": b.measured(lambda: b.through_worker(HOSTS_Q, steps)),
-            "one": b.measured(lambda: b.through_worker(ONE_Q, steps)),
-            "bare": b.measured(lambda: b.bare(steps, next(n))),
-        }
-        alternate(1, sides)  # warm-up, not counted: first imports, page cache
-        measured = alternate(rounds, sides)
+        hosted = [b.host_worker(host) for host in hosts.hosts[:2]]
+        local = [b.local_worker(i) for i in range(2)]
+        starts = [
+            lambda: b.service_side("hosts", HOSTS_Q, hosted),
+            lambda: b.service_side("one", ONE_Q, local),
+            lambda: b.bare_side("bare", 0),
+        ]
+        if aa:
+            starts.append(lambda: b.bare_side("bare2", 1))
+        for start in starts:  # one at a time: no side's start-up is measured, nor slowed
+            sides.append(start())
+            sides[-1].hold()
+        for c in range(cycles):
+            for side in sides if c % 2 == 0 else reversed(sides):
+                side.go()  # (its /proc walk is this process's CPU: outside the turn)
+                before, t0 = b.service_cpu(), time.time()
+                time.sleep(window)
+                t1, after = time.time(), b.service_cpu()
+                side.hold()
+                side.windows.append((t0, t1))
+                side.cpu.append({k: (after[k] - before[k]) / (t1 - t0) / CORES for k in before})
+        time.sleep(3)  # the last window's steps reach the store (the ingestor's linger)
+        rates = {side.name: side.rates(SETTLE_S) for side in sides}
     finally:
+        for side in sides:
+            with contextlib.suppress(Exception):
+                side.go()
+                side.finish()
         b.close()
-    runs = {k: [rate for rate, _ in v] for k, v in measured.items()}
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"\n1. 2 nodes x 2 ranks, {steps} steps, tokens/s (median of steps > 5),"
-          f" {rounds} rounds after a warm-up round, default settings:")  # fmt: skip
-    for k, v in runs.items():
-        print(f"   {k:5s}: {', '.join(f'{x:,.0f}' for x in v)}  (median {med[k]:,.0f})")
-    for other, goal in (("one", 0.95), ("bare", 0.98)):
-        per = [h / o for h, o in zip(runs["hosts"], runs[other], strict=True)]
+    print(f"\n1. 2 nodes x 2 ranks, tokens/s, the jobs running at once and taking turns:"
+          f" {cycles} cycles of {window:g} s each (median of the steps logged {SETTLE_S:g} s"
+          f" after a turn began), default settings:")  # fmt: skip
+    for name, turns in rates.items():
+        got = [x for x in turns if x is not None]
+        print(f"   {name:5s}: median {statistics.median(got):,.0f}, turns {min(got):,.0f}"
+              f" to {max(got):,.0f} ({len(got)} of {len(turns)} with 3 steps or more)")  # fmt: skip
+    pairs = [("hosts", "one", 0.95), ("hosts", "bare", 0.98)]
+    if aa:
+        pairs.append(("bare", "bare2", 1.0))
+    for a, other, goal in pairs:
+        per: list[float] = [x / y for x, y in zip(rates[a], rates[other], strict=True) if x and y]
         r = statistics.median(per)
         lo, hi = interval(per)
-        print(f"   hosts / {other:4s} per round: {', '.join(f'{x:.3f}' for x in per)};"
-              f" median {r:.3f} (90% interval of the median {lo:.3f}-{hi:.3f})"
-              f"  goal >= {goal}: {'ok' if r >= goal else 'MISS'}")  # fmt: skip
-    # What the comparison above cannot resolve on a shared 2-core machine (each run settles
-    # in a state of its own: medians of one side alone spread by several %), this can: the
-    # CPU the service's processes used during each run, as a share of the machine, which
-    # the ranks would otherwise have had.
-    print("   the service's CPU during a run, % of the machine (median over rounds):")
-    for k, v in measured.items():
-        share = {p: statistics.median(c[p] for _, c in v) for p in v[0][1]}
+        if (a, other) == ("bare", "bare2"):
+            verdict = f"the same job twice: {'1 inside' if lo <= 1 <= hi else '1 OUTSIDE'}"
+        else:
+            verdict = f"goal >= {goal}: {'ok' if r >= goal else 'MISS'}"
+        print(f"   {a} / {other:5s} per cycle: median {r:.3f} (90% interval of the median"
+              f" {lo:.3f}-{hi:.3f}, {len(per)} cycles; per cycle {min(per):.3f} to"
+              f" {max(per):.3f})  {verdict}")  # fmt: skip
+    print("   the service's CPU during a side's turns, % of the machine (median over turns):")
+    for side in sides:
+        share = {p: statistics.median(c[p] for c in side.cpu) for p in side.cpu[0]}
         parts = ", ".join(f"{p} {100 * x:.2f}" for p, x in share.items())
-        print(f"   {k:5s}: {100 * sum(share.values()):.2f} ({parts})")
+        print(f"   {side.name:5s}: {100 * sum(share.values()):.2f} ({parts})")
 
 
 def interval(values: list[float], n: int = 2000, seed: int = 7) -> tuple[float, float]:
@@ -341,8 +450,9 @@ def interval(values: list[float], n: int = 2000, seed: int = 7) -> tuple[float, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--cycles", type=int, default=30, help="part 1: turns of every side")
+    p.add_argument("--window", type=float, default=6.0, help="part 1: seconds of one turn")
+    p.add_argument("--aa", action="store_true", help="part 1: a second bare side, bare/bare2")
     p.add_argument("--loss-only", action="store_true", help="part 2 alone")
     p.add_argument("--log-lines", action="store_true", help="part 2: attempt 2's log lines")
     a = p.parse_args()
@@ -354,7 +464,7 @@ def main() -> None:
     with stack(owner="bench-hosts") as st, Hosts(3) as hosts:
         prepare_demo(st.tmp / "data" / "demo")
         if not a.loss_only:
-            throughput(st, hosts, a.rounds, a.steps)
+            throughput(st, hosts, a.cycles, a.window, a.aa)
         b = Bench(st, hosts, FAST, "2")
         b.log_lines = a.log_lines
         try:
