@@ -218,12 +218,16 @@ def stops_cut_off(api: Api) -> Iterator[tuple[Forwarder, StopSignals]]:
         relay.close()
 
 
+def _two_nodes(api: Api) -> tuple[dict[str, Any], NodeSim, NodeSim]:
+    job = api.submit(nodes=2, retries=1)
+    return job, NodeSim(api, job["id"], 0), NodeSim(api, job["id"], 1)
+
+
 def test_a_stop_redis_refused_when_an_attempt_was_lost_is_said_on_the_next_pass(
     api: Api, stops_cut_off: tuple[Forwarder, StopSignals]
 ) -> None:
     relay, stops = stops_cut_off
-    job = api.submit(nodes=2, retries=1)
-    n0, n1 = NodeSim(api, job["id"], 0), NodeSim(api, job["id"], 1)
+    job, n0, n1 = _two_nodes(api)
     n0.claim(), n1.claim()
     n0.running(), n1.running()
     api.drain()
@@ -249,8 +253,7 @@ def test_a_stop_redis_refused_after_a_node_failed_is_said_by_the_next_batch(
     api: Api, stops_cut_off: tuple[Forwarder, StopSignals]
 ) -> None:
     relay, stops = stops_cut_off
-    job = api.submit(nodes=2, retries=1)
-    n0, n1 = NodeSim(api, job["id"], 0), NodeSim(api, job["id"], 1)
+    job, n0, n1 = _two_nodes(api)
     ing = api.ingestor()
     ing.stops = stops
     n0.running(), n1.running()
