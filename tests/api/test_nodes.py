@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from sqlalchemy import select
 
 from service.api.core.models import ATTEMPTS
@@ -210,7 +212,10 @@ def stops_cut_off(api: Api) -> Iterator[tuple[Forwarder, StopSignals]]:
     url = redis_lib.connection.parse_url(api.settings.redis_url)
     relay = Forwarder(("127.0.0.1", 0), (url.get("host", "127.0.0.1"), url.get("port", 6379)))
     relay.start()
-    client = redis_lib.Redis(host="127.0.0.1", port=relay.port, db=url.get("db", 0))
+    # Refused at once, not retried with backoff (redis-py's default), so the test is short.
+    client = redis_lib.Redis(
+        host="127.0.0.1", port=relay.port, db=url.get("db", 0), retry=Retry(NoBackoff(), 0)
+    )
     try:
         yield relay, StopSignals(client, api.keys)
     finally:
