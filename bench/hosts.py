@@ -9,21 +9,22 @@ per host), PostgreSQL, Redis and the API in the root namespace, a fresh store (`
      namespace, rendezvous on loopback);
    - ``bare``: ``torchrun --nnodes 2`` started by hand in the same two namespaces (static
      rendezvous at host 0's address, the same trainer, config and data; no worker).
-   This machine's speed drifts by 10-30% over tens of seconds (a VM's neighbours: one long
-   bare run here went from 10.5k to 14.3k tokens/s and back within minutes, with no steal
-   time reported), more than the differences measured. So the three jobs run at once and
-   take the machine in turns: each is started alone and held (SIGSTOP to its torchrun
+   This machine's speed drifts by 10-30% over seconds to minutes (a VM's neighbours: one
+   long bare run here went from 10.5k to 14.3k tokens/s and back within minutes, with no
+   steal time reported), more than the differences measured. So the three jobs run at once
+   and take the machine in turns: each is started alone and held (SIGSTOP to its torchrun
    agents and ranks) once it steps; then, for ``--cycles``, each in turn runs ``--window``
-   seconds while the others are held (A B C / C B A / ...). A turn's rate is the median of
-   the steps logged from 1 s after it began; each ratio is taken per cycle, between turns
-   seconds apart, and reported as the median over the cycles with a 90% bootstrap interval
-   of that median. ``--aa`` adds a second bare job: bare/bare2 shows what the method
-   resolves (it should be 1 within its interval). Beside it, the CPU the service's own
-   processes (API, PostgreSQL, Redis, workers, the relays) used during each side's turns,
-   as a share of the machine. Goals: hosts/one >= 0.95, hosts/bare >= 0.98. The service
-   runs with its default settings here: the test-speed ones part 2 needs make the API and
-   PostgreSQL poll several times as often, CPU taken from the ranks on this machine and
-   from nobody's on a cluster (the API has its own host).
+   seconds while the others are held (one hosts bare / bare hosts one / ...). A turn's
+   rate is the median of the steps logged from 1 s after it began; each ratio is taken per
+   cycle, between turns next to each other, and reported as the median over the cycles
+   with a 90% bootstrap interval of that median. ``--aa`` adds a second bare job: bare /
+   bare2 shows what the method resolves (1 should lie inside its interval). Beside it, the
+   CPU the service's own processes (API, PostgreSQL, Redis, workers, the relays) used
+   during each side's turns, as a share of the machine. Goals: hosts/one >= 0.95,
+   hosts/bare >= 0.98. The service runs with its default settings here: the test-speed
+   ones part 2 needs make the API and PostgreSQL poll several times as often, CPU taken
+   from the ranks on this machine and from nobody's on a cluster (the API has its own
+   host).
 2. Time from a host's loss (every process in it killed, its link down) to the job running
    again on the remaining hosts: to attempt 2's start, and to its first step; printed with
    the heartbeat TTL + grace. Goal: <= grace + 10 s. A fresh API and workers with test-speed
@@ -386,9 +387,11 @@ def throughput(st: Stack, hosts: Hosts, cycles: int, window: float, aa: bool) ->
     try:
         hosted = [b.host_worker(host) for host in hosts.hosts[:2]]
         local = [b.local_worker(i) for i in range(2)]
+        # Turns go one, hosts, bare (, bare2) / back: each ratio's two sides are next to
+        # each other in every cycle, seconds apart.
         starts = [
-            lambda: b.service_side("hosts", HOSTS_Q, hosted),
             lambda: b.service_side("one", ONE_Q, local),
+            lambda: b.service_side("hosts", HOSTS_Q, hosted),
             lambda: b.bare_side("bare", 0),
         ]
         if aa:
