@@ -121,8 +121,10 @@ class StopSignals:
             for old in list(self._unsent)[: max(0, len(self._unsent) - self.limit)]:
                 del self._unsent[old]
             todo = list(self._unsent)
-        if not todo or not signal_stop(self.redis, self.keys, todo):
-            return not todo
+        if not todo:
+            return True
+        if not signal_stop(self.redis, self.keys, todo):
+            return False
         with self._lock:
             for sent in todo:
                 self._unsent.pop(sent, None)
