@@ -130,38 +130,39 @@ def process_tree(roots: list[int]) -> list[int]:
     return out
 
 
-def torchruns(parents: list[int]) -> list[int]:
-    """The torchrun agents among ``parents`` and their descendants (plain torchrun, or the
-    worker's ``trainer.torchrun``; not the worker's guard, whose argv only names it)."""
-    out = []
+def run_processes(parents: list[int]) -> list[int]:
+    """Every process of the runs below ``parents``: the torchrun agents (plain torchrun, or
+    the worker's ``trainer.torchrun``) and their ranks. Walked, not taken as a process group:
+    torchrun starts each rank in a session of its own (torch's SubprocessHandler)."""
+    agents = []
     for pid in process_tree(parents):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if argv[1:3] in ([b"-m", b"torch.distributed.run"], [b"-m", b"trainer.torchrun"]):
-            out.append(pid)
-    return out
+            agents.append(pid)
+    assert len(agents) == 2, f"torchrun agents {agents}"
+    return process_tree(agents)
 
 
 @dataclass
 class Side:
     """One 2-node x 2-rank job of the comparison, running until ``finish``. ``hold`` stops
-    every process of the run (the torchrun agents and their ranks, SIGSTOP) while another
-    side has the machine; ``go`` lets it on again. The job's own step records say what it
-    did while it ran (``records``: step, time, tokens_per_s)."""
+    every process of the run (SIGSTOP to the torchrun agents and their ranks, found once
+    when it starts stepping) while another side has the machine; ``go`` lets it on again.
+    The job's own step records say what it did while it ran (``records``: step, time,
+    tokens_per_s)."""
 
     name: str
-    parents: Callable[[], list[int]]  # the processes the run's torchrun agents descend from
+    pids: list[int]  # the run's torchrun agents and ranks
     records: Callable[[], list[dict[str, Any]]]
     finish: Callable[[], None]
     windows: list[tuple[float, float]] = field(default_factory=list)
     cpu: list[dict[str, float]] = field(default_factory=list)  # the service's, per window
 
     def signal(self, sig: int) -> None:
-        agents = torchruns(self.parents())
-        assert len(agents) == 2, f"{self.name}: torchrun agents {agents}"
-        for pid in process_tree(agents):
+        for pid in self.pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
@@ -254,15 +255,14 @@ class Bench:
     def service_side(self, name: str, queue: str, workers: list[str]) -> Side:
         """A job through the service on ``queue`` (served by ``workers``), once it steps."""
         job_id = self.submit(queue, train(FOREVER))
-        pids = [self.workers[w].pid for w in workers]
 
         def finish() -> None:
             self.client.post(f"/v1/jobs/{job_id}/cancel")
             wait(lambda: self.job(job_id)["status"] in ("cancelled", "failed"), 120, job_id)
 
-        side = Side(name, lambda: pids, lambda: self.points(job_id), finish)
         wait(lambda: len(self.points(job_id)) > 5, 600, f"{name}: 6 steps", 1.0)
-        return side
+        pids = run_processes([self.workers[w].pid for w in workers])
+        return Side(name, pids, lambda: self.points(job_id), finish)
 
     def bare_side(self, name: str, n: int) -> Side:
         """``torchrun --nnodes 2`` by hand in host 0 and host 1: the same trainer, config and
@@ -299,9 +299,8 @@ class Bench:
             assert all(p.poll() is None for p in procs), (run / "node0.log").read_text()[-2000:]
             return len(records()) > 5
 
-        side = Side(name, lambda: [p.pid for p in procs], records, finish)
         wait(stepping, 600, f"{name}: 6 steps", 1.0)
-        return side
+        return Side(name, run_processes([p.pid for p in procs]), records, finish)
 
     def host_loss(self) -> tuple[float, float, float]:
         """(s to attempt 1 lost, s to attempt 2 started, s to its first step) after the loss."""
@@ -401,7 +400,7 @@ def throughput(st: Stack, hosts: Hosts, cycles: int, window: float, aa: bool) ->
             sides[-1].hold()
         for c in range(cycles):
             for side in sides if c % 2 == 0 else reversed(sides):
-                side.go()  # (its /proc walk is this process's CPU: outside the turn)
+                side.go()
                 before, t0 = b.service_cpu(), time.time()
                 time.sleep(window)
                 t1, after = time.time(), b.service_cpu()
